@@ -1,0 +1,42 @@
+"""fastln.show_config(): what this build of fastln is and how it was compiled."""
+import platform
+import sys
+
+import numpy as np
+
+from fastln import _kernels
+from fastln._version import __version__
+
+
+def build_info():
+    """The compile-time facts as a dict (also used by the benchmark's JSON)."""
+    try:
+        from fastln import _build_info
+    except ImportError:  # built by something other than setup.py
+        compile_args = link_args = None
+    else:
+        compile_args, link_args = _build_info.COMPILE_ARGS, _build_info.LINK_ARGS
+    return {
+        "fastln": __version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "openmp": _kernels.openmp_enabled(),
+        "default_num_threads": _kernels.default_num_threads(),
+        "compile_args": compile_args,
+        "link_args": link_args,
+    }
+
+
+def show_config(file=None):
+    """Print the version, whether OpenMP is on, the default thread count and the build flags."""
+    info = build_info()
+    lines = [
+        f"fastln {info['fastln']} (numpy {info['numpy']}, python {info['python']})",
+        f"  platform:            {info['platform']}",
+        f"  OpenMP:              {'on' if info['openmp'] else 'off (built without OpenMP)'}",
+        f"  default num_threads: {info['default_num_threads']}",
+        f"  compile args:        {' '.join(info['compile_args'] or ['unknown'])}",
+        f"  link args:           {' '.join(info['link_args'] or []) or '(none)'}",
+    ]
+    print("\n".join(lines), file=file or sys.stdout)

@@ -1,0 +1,200 @@
+"""fastln.layer_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
+import numpy as np
+
+from fastln import _kernels
+from fastln._validation import (
+    as_array,
+    as_kernel_array,
+    check_eps,
+    check_input,
+    check_out,
+    check_param,
+    normalize_axis,
+    protect_from_output,
+    resolve_num_threads,
+    rows_and_cols,
+)
+
+
+class LayerNormCache:
+    """What layer_norm_backward needs from a forward call, in O(rows) memory.
+
+    Attributes
+    ----------
+    mean, rstd : ndarray of shape x.shape[:axis], in y's dtype
+        Each row's mean and 1 / sqrt(var + eps).
+    x : ndarray
+        The forward's input itself, not a copy: it must not be modified before the backward.
+    axis : int
+        The first normalized axis (non-negative).
+    eps : float
+    """
+
+    op = "layer_norm"
+    __slots__ = ("x", "mean", "rstd", "axis", "eps")
+
+    def __init__(self, x, mean, rstd, axis, eps):
+        self.x = x
+        self.mean = mean
+        self.rstd = rstd
+        self.axis = axis
+        self.eps = eps
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.mean.dtype
+
+    def __repr__(self):
+        return (f"LayerNormCache(shape={self.shape}, axis={self.axis}, "
+                f"dtype={self.dtype.name}, eps={self.eps})")
+
+
+def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
+    x, dtype = check_input(x)
+    axis = normalize_axis(axis, x.ndim)
+    n_rows, n_cols = rows_and_cols(x.shape, axis)
+    normalized_shape = x.shape[axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    beta = check_param(beta, "beta", normalized_shape, dtype)
+    eps = check_eps(eps)
+    num_threads = resolve_num_threads(num_threads)
+
+    x_rows = as_kernel_array(x, dtype).reshape(n_rows, n_cols)
+    if out is None:
+        y = np.empty(x.shape, dtype)
+    else:
+        y = check_out(out, x.shape, dtype)
+        if keep_cache and np.may_share_memory(y, x):
+            raise ValueError("out overlaps x: layer_norm_forward keeps x for the backward pass; "
+                             "use fastln.layer_norm for an in-place forward")
+    y_rows = y.reshape(n_rows, n_cols)
+    x_rows = protect_from_output(x_rows, y_rows)
+    gamma = protect_from_output(gamma, y_rows)
+    beta = protect_from_output(beta, y_rows)
+
+    mean = rstd = None
+    if keep_cache:
+        mean = np.empty(n_rows, dtype)
+        rstd = np.empty(n_rows, dtype)
+    _kernels.layer_norm_forward(x_rows, gamma, beta, y_rows, mean, rstd, eps, num_threads)
+    if not keep_cache:
+        return y
+    batch_shape = x.shape[:axis]
+    return y, LayerNormCache(x, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps)
+
+
+def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
+    """Layer normalization: ``gamma * (x - mean) / sqrt(var + eps) + beta`` for each row.
+
+    Statistics (mean and population variance) are taken over ``x.shape[axis:]``, once for each
+    index of ``x.shape[:axis]``, as in ONNX ``LayerNormalization``.
+
+    Parameters
+    ----------
+    x : array_like
+        float32 and float64 are computed as they are; integer and bool as float64. Any strides,
+        order or byte order.
+    gamma, beta : array_like of shape ``x.shape[axis:]``, optional
+        Scale and shift, cast to the output dtype; None means ones and zeros.
+    eps : float, default 1e-5
+        Added to the variance; a finite number >= 0.
+    axis : int, default -1
+        The first normalized axis.
+    out : ndarray, optional
+        C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
+    num_threads : int, optional
+        OpenMP threads; None uses OpenMP's default (``OMP_NUM_THREADS``).
+
+    Returns
+    -------
+    y : ndarray of x's shape (``out`` when given)
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> fastln.layer_norm(np.array([10.0, 20.0, 60.0])).round(4)
+    array([-0.9258, -0.4629,  1.3887])
+    """
+    return _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=False)
+
+
+def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
+                       num_threads=None):
+    """Like :func:`layer_norm`, and also returns the cache for :func:`layer_norm_backward`.
+
+    Returns
+    -------
+    y : ndarray
+    cache : LayerNormCache
+        ``cache.mean`` and ``cache.rstd`` have shape ``x.shape[:axis]`` and y's dtype. The cache
+        refers to x without copying it: do not modify x before calling the backward. For the
+        same reason ``out`` may not overlap x here.
+    """
+    return _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=True)
+
+
+def check_cache(cache, dy, op):
+    """The cache must come from a forward of `op` with y of dy's shape and dtype."""
+    if not hasattr(cache, "op") or not hasattr(cache, "x"):
+        raise TypeError(f"cache must be the cache returned by {op}_forward, "
+                        f"got {type(cache).__name__}")
+    if cache.op != op:
+        raise ValueError(f"cache comes from {cache.op}_forward; {op}_backward needs the cache "
+                         f"of {op}_forward")
+    if dy.shape != cache.shape:
+        raise ValueError(f"dy has shape {dy.shape}, but the cache is for x of shape "
+                         f"{cache.shape}")
+    if dy.dtype.kind != "f" or dy.dtype.itemsize != cache.dtype.itemsize:
+        raise ValueError(f"dy has dtype {dy.dtype.name}, expected {cache.dtype.name} "
+                         "(the dtype of the forward's y)")
+
+
+def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
+    """Gradients of :func:`layer_norm_forward` with respect to x, gamma and beta.
+
+    Parameters
+    ----------
+    dy : array_like
+        Gradient of the loss with respect to y: y's shape and dtype.
+    cache : LayerNormCache
+        From :func:`layer_norm_forward`.
+    gamma : array_like of shape ``x.shape[axis:]``, optional
+        The scale the forward used (None: ones).
+    out : ndarray, optional
+        Buffer for dx, with the rules of the forward's ``out``; may be dy itself.
+    num_threads : int, optional
+
+    Returns
+    -------
+    dx : ndarray of x's shape
+    dgamma, dbeta : ndarray of shape ``x.shape[axis:]``
+        Sums over the rows, identical for every ``num_threads``.
+    """
+    dy = as_array(dy, "dy")
+    check_cache(cache, dy, "layer_norm")
+    dtype = cache.dtype
+    axis = cache.axis
+    n_rows, n_cols = rows_and_cols(cache.shape, axis)
+    normalized_shape = cache.shape[axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    num_threads = resolve_num_threads(num_threads)
+
+    dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
+    x_rows = as_kernel_array(cache.x, dtype).reshape(n_rows, n_cols)
+    dx = np.empty(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
+    dx_rows = dx.reshape(n_rows, n_cols)
+    dy_rows = protect_from_output(dy_rows, dx_rows)
+    x_rows = protect_from_output(x_rows, dx_rows)
+    gamma = protect_from_output(gamma, dx_rows)
+    mean = as_kernel_array(cache.mean, dtype).reshape(n_rows)
+    rstd = as_kernel_array(cache.rstd, dtype).reshape(n_rows)
+
+    dgamma = np.empty(normalized_shape, dtype)
+    dbeta = np.empty(normalized_shape, dtype)
+    _kernels.layer_norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
+                                 dgamma.reshape(-1), dbeta.reshape(-1), num_threads)
+    return dx, dgamma, dbeta

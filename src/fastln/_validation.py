@@ -1,0 +1,156 @@
+"""Argument checking shared by every public function (kernels and reference alike).
+
+Everything here runs before any work: a bad argument raises a TypeError or ValueError that names
+it and says what was expected and what was given. Nothing here modifies its inputs.
+"""
+import numbers
+import operator
+
+import numpy as np
+
+from fastln import _kernels
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _describe_dtype(dtype):
+    return dtype.name if dtype.isnative else f"{dtype.name} ({dtype.str})"
+
+
+def output_dtype(dtype, name="x"):
+    """The dtype fastln computes and returns for an input of `dtype` (native byte order).
+
+    float32 and float64 keep their type; integer and bool inputs are converted to float64, as
+    NumPy's reductions do. Everything else is a TypeError.
+    """
+    if dtype.kind == "f" and dtype.itemsize in (4, 8):
+        return dtype.newbyteorder("=")
+    if dtype.kind in "biu":
+        return FLOAT_DTYPES[1]
+    if dtype.kind == "f":
+        raise TypeError(
+            f"{name} has dtype {dtype.name}, which fastln has no kernel for; "
+            f"expected float32 or float64 (convert with {name}.astype(np.float32))"
+        )
+    raise TypeError(
+        f"{name} has dtype {_describe_dtype(dtype)}; expected a real floating, integer or bool "
+        "array (float32 and float64 are computed as they are, integers and bool as float64)"
+    )
+
+
+def as_array(value, name):
+    """np.asarray with a clear error for things that are not numeric arrays."""
+    if isinstance(value, np.ndarray):
+        return value
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be array-like, got {type(value).__name__}: {exc}") from None
+    if array.dtype.kind in "OSUV":
+        raise TypeError(f"{name} must be a numeric array, got {type(value).__name__} "
+                        f"that converts to dtype {array.dtype}")
+    return array
+
+
+def normalize_axis(axis, ndim):
+    """The first normalized axis as a non-negative int; negative values count from the end."""
+    try:
+        index = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+    if not -ndim <= index < ndim:
+        raise ValueError(f"axis {index} is out of bounds for x with {ndim} dimension(s)")
+    return index % ndim
+
+
+def check_eps(eps):
+    """eps as a float: a finite number >= 0."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    value = float(eps)
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return value
+
+
+def resolve_num_threads(num_threads):
+    """None means OpenMP's default (OMP_NUM_THREADS); otherwise a positive int, exactly."""
+    if num_threads is None:
+        return _kernels.default_num_threads()
+    if (isinstance(num_threads, (bool, np.bool_))
+            or not isinstance(num_threads, numbers.Integral) or num_threads < 1):
+        raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}")
+    return int(num_threads)
+
+
+def rows_and_cols(shape, axis):
+    """(n_rows, n_cols): one row per index of shape[:axis], normalized over shape[axis:]."""
+    n_rows = int(np.prod(shape[:axis], dtype=np.int64))
+    n_cols = int(np.prod(shape[axis:], dtype=np.int64))
+    if n_cols == 0:
+        raise ValueError(
+            f"x.shape[axis:] = {tuple(shape[axis:])} is empty: there is nothing to normalize"
+        )
+    return n_rows, n_cols
+
+
+def as_kernel_array(array, dtype):
+    """A C-contiguous, aligned, native-order array of `dtype`; a copy only when needed."""
+    return np.require(array, dtype=dtype, requirements="CA")
+
+
+def check_input(x, name="x"):
+    """x as an ndarray with at least one dimension, and the dtype the result will have."""
+    x = as_array(x, name)
+    dtype = output_dtype(x.dtype, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have at least 1 dimension, got a 0-d array")
+    return x, dtype
+
+
+def check_param(param, name, expected_shape, dtype):
+    """gamma/beta: None, or an array of exactly `expected_shape`, cast to `dtype` and flattened."""
+    if param is None:
+        return None
+    array = as_array(param, name)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
+                        f"floating, integer or bool array (it is cast to {dtype.name})")
+    if array.shape != tuple(expected_shape):
+        raise ValueError(f"{name} has shape {array.shape}, expected x.shape[axis:] = "
+                         f"{tuple(expected_shape)}")
+    return as_kernel_array(array, dtype).reshape(-1)
+
+
+def check_out(out, shape, dtype, name="out"):
+    """A caller's output buffer must be a writeable C-contiguous ndarray of shape and dtype."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {out.shape}, expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{name} has dtype {_describe_dtype(out.dtype)}, expected {dtype.name}")
+    if not out.flags.c_contiguous or not out.flags.aligned:
+        raise ValueError(f"{name} must be C-contiguous and aligned")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return out
+
+
+def same_memory(a, b):
+    """True when a and b start at the same address with the same C-contiguous layout."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides)
+
+
+def protect_from_output(array, out):
+    """`array` itself if writing `out` cannot clobber it before it is read, else a copy.
+
+    Element i of every row is read before element i of the output is written, so an output
+    exactly on top of an input is safe (in place); any other overlap is not.
+    """
+    if array is None or not np.may_share_memory(array, out):
+        return array
+    if array.size == out.size and same_memory(array, out.reshape(array.shape)):
+        return array
+    return array.copy()
