@@ -3,6 +3,7 @@
 OpenMP is probed by compiling and linking a tiny program: when that works the flag goes to both
 the compile and the link step, otherwise the extension is built serially with a warning.
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -30,7 +31,12 @@ OPENMP_PROBE = textwrap.dedent(
 )
 
 # Portable by default: no -march=native; the kernels pick AVX2/AVX-512 at run time.
-BASE_COMPILE_ARGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-function"]
+# -ffp-contract=off: no fused multiply-adds, so every instruction-set variant of a kernel rounds
+# exactly alike and a row's result never depends on which code path wrote it.
+BASE_COMPILE_ARGS = [
+    "-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno",
+    "-Wall", "-Wextra", "-Wno-unused-function", "-Wno-psabi",
+]
 
 
 def openmp_flags():
@@ -79,8 +85,14 @@ def extensions():
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
+        # The kernels live in headers: a changed header must rebuild every extension.
+        depends=sorted(glob.glob(os.path.join(HERE, "include", "fastln", "*.h"))),
     )
-    modules = [Extension("fastln._kernels", ["src/fastln/_kernels.pyx"], **common)]
+    modules = [
+        Extension("fastln._kernels", ["src/fastln/_kernels.pyx"], **common),
+        Extension("fastln._bandwidth", ["src/fastln/_bandwidth.pyx"], **common),
+        Extension("fastln._family_kernels", ["src/fastln/_family_kernels.pyx"], **common),
+    ]
     return cythonize(
         modules,
         include_path=[os.path.join(HERE, "src")],

@@ -1,28 +1,108 @@
-/* Shared helpers for fastln's row kernels. Plain C99: no Python, no allocation, no globals. */
+/* Shared helpers for fastln's row kernels. C99 with GCC/Clang vector extensions: no Python, no
+ * allocation, no globals. */
 #ifndef FASTLN_COMMON_H
 #define FASTLN_COMMON_H
 
 #include <stdint.h>
-
-#if defined(__GNUC__) || defined(__clang__)
-#define FASTLN_RESTRICT __restrict__
-#else
-#define FASTLN_RESTRICT
+#include <string.h>
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define FASTLN_HAVE_STREAMING_STORES 1
 #endif
 
-/* Reductions run in FASTLN_LANES independent accumulators: element i of a row always goes to
- * lane i % FASTLN_LANES, and the lanes are combined by one fixed tree. The order of every sum is
- * therefore a function of the row alone, never of its address, its batch or the thread count,
- * and the compiler can still keep the lanes in vector registers. */
-#define FASTLN_LANES 16
+#define FASTLN_RESTRICT __restrict__
 
-static inline double fastln_sum_lanes(const double lanes[FASTLN_LANES])
+/* Eight doubles: the unit of all arithmetic. The same source compiles to one AVX-512 register,
+ * two AVX2 registers or four SSE2 registers, with the same association order in each. */
+typedef double fastln_d8 __attribute__((vector_size(64)));
+typedef float fastln_f16 __attribute__((vector_size(64)));
+
+/* Reductions keep FASTLN_ACCUMULATORS vectors of partial sums (element i of a row always lands
+ * in slot i % 32), and combine them by one fixed tree. The order of every sum is a function of
+ * the row alone - never of its address, its batch or the thread count. */
+#define FASTLN_ACCUMULATORS 4
+#define FASTLN_BLOCK (8 * FASTLN_ACCUMULATORS)
+
+/* Every kernel is compiled for AVX-512, AVX2+FMA and the baseline, and the loader picks the best
+ * the CPU has (GCC function multi-versioning), so a portable build still uses wide vectors. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(FASTLN_NO_DISPATCH)
+#define FASTLN_DISPATCH __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FASTLN_DISPATCH
+#endif
+
+/* Helpers of the dispatched kernels must be inlined into them: a helper left out of line would be
+ * compiled once, for the baseline instruction set, and every variant would call that. */
+#define FASTLN_INLINE static inline __attribute__((always_inline))
+
+/* Unaligned loads and stores (memcpy compiles to one vector move). */
+FASTLN_INLINE fastln_d8 fastln_load8_f32(const float *p)
 {
-    double pairs[FASTLN_LANES / 2];
-    for (int k = 0; k < FASTLN_LANES / 2; k++) pairs[k] = lanes[k] + lanes[k + FASTLN_LANES / 2];
-    double quads[FASTLN_LANES / 4];
-    for (int k = 0; k < FASTLN_LANES / 4; k++) quads[k] = pairs[k] + pairs[k + FASTLN_LANES / 4];
-    return (quads[0] + quads[2]) + (quads[1] + quads[3]);
+    fastln_d8 v;
+    for (int k = 0; k < 8; k++) v[k] = (double)p[k];
+    return v;
+}
+
+FASTLN_INLINE fastln_d8 fastln_load8_f64(const double *p)
+{
+    fastln_d8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+FASTLN_INLINE void fastln_store8_f32(float *p, fastln_d8 v)
+{
+    for (int k = 0; k < 8; k++) p[k] = (float)v[k];
+}
+
+FASTLN_INLINE void fastln_store8_f64(double *p, fastln_d8 v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* Non-temporal ("streaming") stores write around the caches: for outputs far larger than the
+ * cache they save the read-for-ownership of every output line and leave the cache to the inputs.
+ * SSE2 stores, so every dispatch target has them; p must be 16-byte aligned. Callers finish with
+ * fastln_streaming_fence(). */
+FASTLN_INLINE void fastln_stream16_f32(float *p, fastln_f16 v)
+{
+#ifdef FASTLN_HAVE_STREAMING_STORES
+    __m128 parts[4];
+    memcpy(parts, &v, sizeof v);
+    for (int k = 0; k < 4; k++) _mm_stream_ps(p + 4 * k, parts[k]);
+#else
+    memcpy(p, &v, sizeof v);
+#endif
+}
+
+FASTLN_INLINE void fastln_stream8_f64(double *p, fastln_d8 v)
+{
+#ifdef FASTLN_HAVE_STREAMING_STORES
+    __m128d parts[4];
+    memcpy(parts, &v, sizeof v);
+    for (int k = 0; k < 4; k++) _mm_stream_pd(p + 2 * k, parts[k]);
+#else
+    memcpy(p, &v, sizeof v);
+#endif
+}
+
+FASTLN_INLINE void fastln_streaming_fence(void)
+{
+#ifdef FASTLN_HAVE_STREAMING_STORES
+    _mm_sfence();
+#endif
+}
+
+FASTLN_INLINE int fastln_is_aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15) == 0;
+}
+
+/* Sum of the accumulators, then of the eight slots, in one fixed order. */
+FASTLN_INLINE double fastln_reduce(const fastln_d8 acc[FASTLN_ACCUMULATORS])
+{
+    const fastln_d8 v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
 #endif /* FASTLN_COMMON_H */

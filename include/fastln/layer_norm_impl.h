@@ -1,64 +1,127 @@
 /* Template body of layer_norm.h: included once per element type with FASTLN_T (the element
- * type) and FASTLN_NAME(name) (appends the type suffix) defined. No include guard on purpose. */
+ * type), FASTLN_NAME(name) (appends the type suffix), FASTLN_LOAD8 and FASTLN_STORE8 (eight
+ * elements to/from a fastln_d8) defined. No include guard on purpose.
+ *
+ * A row's last (n_cols % 8 or % 32) elements go through the same vector code on a small padded
+ * copy, with padding chosen to add exactly zero to every sum, so there is no scalar path. */
+
+/* sum += d and sumsq += d * d over FASTLN_BLOCK elements, d = x - shift. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_accumulate)(
+    const FASTLN_T *x, double shift, fastln_d8 sum[FASTLN_ACCUMULATORS],
+    fastln_d8 sumsq[FASTLN_ACCUMULATORS])
+{
+    for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
+        const fastln_d8 d = FASTLN_LOAD8(x + 8 * a) - shift;
+        sum[a] += d;
+        sumsq[a] += d * d;
+    }
+}
+
+/* y = gamma * x_hat + beta for eight elements; gamma and beta may be NULL. */
+FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_output8)(
+    const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *beta, double shift,
+    double mean_shifted, double rstd)
+{
+    fastln_d8 out = ((FASTLN_LOAD8(x) - shift) - mean_shifted) * rstd;
+    if (gamma) out *= FASTLN_LOAD8(gamma);
+    if (beta) out += FASTLN_LOAD8(beta);
+    return out;
+}
+
+/* y = gamma * x_hat + beta for a whole row, all in double. While it writes, it prefetches the
+ * next row (rows are contiguous), so the next statistics pass finds it in cache. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_write_row_double)(
+    const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *beta, FASTLN_T *y, int64_t n_cols,
+    double shift, double mean_shifted, double rstd, int streaming)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n_cols; i += 8) {
+        __builtin_prefetch(x + n_cols + i, 0, 3);
+        FASTLN_STORE8(y + i, FASTLN_NAME(fastln_ln_output8)(
+            x + i, gamma ? gamma + i : NULL, beta ? beta + i : NULL, shift, mean_shifted, rstd));
+    }
+    (void)streaming; /* only the float64 specialisation in layer_norm.h streams */
+    if (i < n_cols) {
+        const int rest = (int)(n_cols - i);
+        FASTLN_T x_tail[8] = {0}, gamma_tail[8] = {0}, beta_tail[8] = {0}, y_tail[8];
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        if (beta) memcpy(beta_tail, beta + i, rest * sizeof(FASTLN_T));
+        FASTLN_STORE8(y_tail, FASTLN_NAME(fastln_ln_output8)(
+            x_tail, gamma ? gamma_tail : NULL, beta ? beta_tail : NULL, shift, mean_shifted, rstd));
+        memcpy(y + i, y_tail, rest * sizeof(FASTLN_T));
+    }
+}
 
 /* Forward of one row of n_cols elements.
  *
  * Statistics come from one read of the row, shifted by its first element: d = x - x[0] is small
- * whenever the row's spread is small, so sum(d) and sum(d*d) in double do not cancel even when
+ * whenever the row's spread is small, so sum(d) and sum(d * d) in double do not cancel even when
  * |mean| >> std (the E[x^2] - E[x]^2 trap). y is then written in a second pass while the row is
  * still in cache, centring as (x - shift) - mean(d) so that the large offset never meets the small
  * deviations in one rounding.
  *
  * y may be x itself (in place): each element is read before it is overwritten. gamma and beta may
- * be NULL (ones and zeros). mean_out and rstd_out receive the row's statistics. */
-static inline void FASTLN_NAME(fastln_layer_norm_forward_row)(
+ * be NULL (ones and zeros). mean_out and rstd_out receive the row's statistics. With streaming
+ * set, y is written with non-temporal stores (for outputs much larger than the cache). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_layer_norm_forward_row)(
     const FASTLN_T *x, const FASTLN_T *FASTLN_RESTRICT gamma, const FASTLN_T *FASTLN_RESTRICT beta,
-    FASTLN_T *y, int64_t n_cols, double eps, double *mean_out, double *rstd_out)
+    FASTLN_T *y, int64_t n_cols, double eps, double *mean_out, double *rstd_out, int streaming)
 {
     const double shift = (double)x[0];
-    double sum_lanes[FASTLN_LANES] = {0};
-    double sumsq_lanes[FASTLN_LANES] = {0};
+    fastln_d8 sum[FASTLN_ACCUMULATORS] = {{0}};
+    fastln_d8 sumsq[FASTLN_ACCUMULATORS] = {{0}};
     int64_t i = 0;
-    for (; i + FASTLN_LANES <= n_cols; i += FASTLN_LANES) {
-        for (int k = 0; k < FASTLN_LANES; k++) {
-            const double d = (double)x[i + k] - shift;
-            sum_lanes[k] += d;
-            sumsq_lanes[k] += d * d;
-        }
+    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
+        FASTLN_NAME(fastln_ln_accumulate)(x + i, shift, sum, sumsq);
+    if (i < n_cols) {
+        FASTLN_T padded[FASTLN_BLOCK];
+        for (int k = 0; k < FASTLN_BLOCK; k++) padded[k] = i + k < n_cols ? x[i + k] : x[0];
+        FASTLN_NAME(fastln_ln_accumulate)(padded, shift, sum, sumsq);
     }
-    for (int k = 0; i + k < n_cols; k++) {
-        const double d = (double)x[i + k] - shift;
-        sum_lanes[k] += d;
-        sumsq_lanes[k] += d * d;
-    }
-    const double mean_shifted = fastln_sum_lanes(sum_lanes) / (double)n_cols;
-    double var = fastln_sum_lanes(sumsq_lanes) / (double)n_cols - mean_shifted * mean_shifted;
+    const double mean_shifted = fastln_reduce(sum) / (double)n_cols;
+    double var = fastln_reduce(sumsq) / (double)n_cols - mean_shifted * mean_shifted;
     if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
     const double rstd = 1.0 / sqrt(var + eps);
     *mean_out = shift + mean_shifted;
     *rstd_out = rstd;
+    /* A constant row with eps = 0: every centred value is exactly 0 and x_hat is defined as 0
+     * (y = beta), not 0 * inf = NaN. The cache still reports rstd = inf. */
+    const double x_hat_scale = var + eps == 0.0 ? 0.0 : rstd;
 
-    if (gamma && beta) {
-        for (i = 0; i < n_cols; i++) {
-            const double x_hat = (((double)x[i] - shift) - mean_shifted) * rstd;
-            y[i] = (FASTLN_T)(x_hat * (double)gamma[i] + (double)beta[i]);
-        }
-    } else if (gamma) {
-        for (i = 0; i < n_cols; i++) {
-            const double x_hat = (((double)x[i] - shift) - mean_shifted) * rstd;
-            y[i] = (FASTLN_T)(x_hat * (double)gamma[i]);
-        }
-    } else if (beta) {
-        for (i = 0; i < n_cols; i++) {
-            const double x_hat = (((double)x[i] - shift) - mean_shifted) * rstd;
-            y[i] = (FASTLN_T)(x_hat + (double)beta[i]);
-        }
-    } else {
-        for (i = 0; i < n_cols; i++) {
-            const double x_hat = (((double)x[i] - shift) - mean_shifted) * rstd;
-            y[i] = (FASTLN_T)x_hat;
-        }
+    FASTLN_NAME(fastln_ln_write_row)(x, gamma, beta, y, n_cols, shift, mean_shifted, x_hat_scale,
+                                     streaming);
+}
+
+/* Backward sums over FASTLN_BLOCK elements: dx_hat = dy * gamma, d = x - mean. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double mean,
+    fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
+    fastln_d8 sum_d[FASTLN_ACCUMULATORS])
+{
+    for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
+        fastln_d8 dx_hat = FASTLN_LOAD8(dy + 8 * a);
+        if (gamma) dx_hat *= FASTLN_LOAD8(gamma + 8 * a);
+        const fastln_d8 d = FASTLN_LOAD8(x + 8 * a) - mean;
+        sum_dxhat[a] += dx_hat;
+        sum_dxhat_d[a] += dx_hat * d;
+        sum_d[a] += d;
     }
+}
+
+/* dx for eight elements, and their dy * x_hat and dy added to the dgamma/dbeta partials. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write8)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx,
+    double mean, double mean_correction, double rstd, double n, double sum_dxhat,
+    double sum_dxhat_xhat, double *dgamma_acc, double *dbeta_acc)
+{
+    const fastln_d8 dy8 = FASTLN_LOAD8(dy);
+    const fastln_d8 x_hat = ((FASTLN_LOAD8(x) - mean) - mean_correction) * rstd;
+    const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
+    fastln_store8_f64(dgamma_acc, fastln_load8_f64(dgamma_acc) + dy8 * x_hat);
+    fastln_store8_f64(dbeta_acc, fastln_load8_f64(dbeta_acc) + dy8);
+    FASTLN_STORE8(dx, (rstd / n) * ((n * dx_hat - sum_dxhat) - x_hat * sum_dxhat_xhat));
 }
 
 /* Backward of one row, the lesson's two-reduction identity:
@@ -70,59 +133,69 @@ static inline void FASTLN_NAME(fastln_layer_norm_forward_row)(
  *
  * dgamma_acc and dbeta_acc (double, n_cols) are added to: dgamma += dy * x_hat, dbeta += dy.
  * dx may be dy itself (in place). gamma may be NULL (ones). */
-static inline void FASTLN_NAME(fastln_layer_norm_backward_row)(
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
     double mean, double rstd, FASTLN_T *dx, int64_t n_cols,
     double *FASTLN_RESTRICT dgamma_acc, double *FASTLN_RESTRICT dbeta_acc)
 {
-    double dxhat_lanes[FASTLN_LANES] = {0};   /* sum(dx_hat) */
-    double dxhat_d_lanes[FASTLN_LANES] = {0}; /* sum(dx_hat * (x - mean)) */
-    double d_lanes[FASTLN_LANES] = {0};       /* sum(x - mean): the mean's correction */
+    fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS] = {{0}};
+    fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS] = {{0}};
+    fastln_d8 sum_d[FASTLN_ACCUMULATORS] = {{0}};
     int64_t i = 0;
-    for (; i + FASTLN_LANES <= n_cols; i += FASTLN_LANES) {
-        for (int k = 0; k < FASTLN_LANES; k++) {
-            const double g = gamma ? (double)gamma[i + k] : 1.0;
-            const double dx_hat = (double)dy[i + k] * g;
-            const double d = (double)x[i + k] - mean;
-            dxhat_lanes[k] += dx_hat;
-            dxhat_d_lanes[k] += dx_hat * d;
-            d_lanes[k] += d;
+    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
+        FASTLN_NAME(fastln_ln_backward_accumulate)(dy + i, x + i, gamma ? gamma + i : NULL, mean,
+                                                   sum_dxhat, sum_dxhat_d, sum_d);
+    if (i < n_cols) {
+        /* Padding with dy = 0 and x = mean adds exactly zero to all three sums. */
+        FASTLN_T dy_tail[FASTLN_BLOCK], x_tail[FASTLN_BLOCK], gamma_tail[FASTLN_BLOCK];
+        for (int k = 0; k < FASTLN_BLOCK; k++) {
+            const int inside = i + k < n_cols;
+            dy_tail[k] = inside ? dy[i + k] : (FASTLN_T)0;
+            x_tail[k] = inside ? x[i + k] : (FASTLN_T)mean;
+            gamma_tail[k] = inside && gamma ? gamma[i + k] : (FASTLN_T)1;
         }
-    }
-    for (int k = 0; i + k < n_cols; k++) {
-        const double g = gamma ? (double)gamma[i + k] : 1.0;
-        const double dx_hat = (double)dy[i + k] * g;
-        const double d = (double)x[i + k] - mean;
-        dxhat_lanes[k] += dx_hat;
-        dxhat_d_lanes[k] += dx_hat * d;
-        d_lanes[k] += d;
+        FASTLN_NAME(fastln_ln_backward_accumulate)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
+                                                   mean, sum_dxhat, sum_dxhat_d, sum_d);
     }
     const double n = (double)n_cols;
-    const double mean_correction = fastln_sum_lanes(d_lanes) / n;
-    const double sum_dxhat = fastln_sum_lanes(dxhat_lanes);
-    const double sum_dxhat_xhat =
-        rstd * (fastln_sum_lanes(dxhat_d_lanes) - mean_correction * sum_dxhat);
-    const double scale = rstd / n;
+    const double mean_correction = fastln_reduce(sum_d) / n;
+    const double total_dxhat = fastln_reduce(sum_dxhat);
+    const double total_dxhat_xhat = rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
 
-    for (i = 0; i < n_cols; i++) {
-        const double g = gamma ? (double)gamma[i] : 1.0;
-        const double dy_i = (double)dy[i];
-        const double x_hat = (((double)x[i] - mean) - mean_correction) * rstd;
-        dgamma_acc[i] += dy_i * x_hat;
-        dbeta_acc[i] += dy_i;
-        dx[i] = (FASTLN_T)(scale * (n * (dy_i * g) - sum_dxhat - x_hat * sum_dxhat_xhat));
+    for (i = 0; i + 8 <= n_cols; i += 8)
+        FASTLN_NAME(fastln_ln_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
+                                               mean, mean_correction, rstd, n, total_dxhat,
+                                               total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
+    if (i < n_cols) {
+        const int rest = (int)(n_cols - i);
+        FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
+        double dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
+        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(double));
+        memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(double));
+        FASTLN_NAME(fastln_ln_backward_write8)(dy_tail, x_tail, gamma ? gamma_tail : NULL, dx_tail,
+                                               mean, mean_correction, rstd, n, total_dxhat,
+                                               total_dxhat_xhat, dgamma_tail, dbeta_tail);
+        memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
+        memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(double));
+        memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(double));
     }
 }
 
 /* dgamma/dbeta: add the per-block partial sums (n_blocks rows of n_cols doubles) in block order,
- * so the result does not depend on which thread produced which block. */
-static inline void FASTLN_NAME(fastln_sum_block_partials)(
-    const double *FASTLN_RESTRICT partials, int64_t n_blocks, int64_t n_cols,
+ * so the result does not depend on which thread produced which block. The sums are formed in
+ * the first block's row, which is overwritten. */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_sum_block_partials)(
+    double *FASTLN_RESTRICT partials, int64_t n_blocks, int64_t n_cols,
     FASTLN_T *FASTLN_RESTRICT out)
 {
-    for (int64_t j = 0; j < n_cols; j++) {
-        double total = 0.0;
-        for (int64_t b = 0; b < n_blocks; b++) total += partials[b * n_cols + j];
-        out[j] = (FASTLN_T)total;
+    for (int64_t b = 1; b < n_blocks; b++) {
+        const double *FASTLN_RESTRICT block = partials + b * n_cols;
+        for (int64_t j = 0; j < n_cols; j++) partials[j] += block[j];
     }
+    for (int64_t j = 0; j < n_cols; j++) out[j] = (FASTLN_T)partials[j];
 }

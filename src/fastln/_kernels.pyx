@@ -6,6 +6,7 @@ aligned, in native byte order and with matching float32/float64 dtypes. This mod
 their data pointers, releases the GIL and runs the rows in an OpenMP prange.
 """
 from cython.parallel cimport prange
+from libc.math cimport INFINITY
 from libc.stdlib cimport calloc, free
 from libc.stdint cimport int64_t
 
@@ -22,10 +23,10 @@ ctypedef fused floating:
 cdef extern from "fastln/layer_norm.h" nogil:
     void fastln_layer_norm_forward_row_f32(
         const float *x, const float *gamma, const float *beta, float *y, int64_t n_cols,
-        double eps, double *mean_out, double *rstd_out)
+        double eps, double *mean_out, double *rstd_out, int streaming)
     void fastln_layer_norm_forward_row_f64(
         const double *x, const double *gamma, const double *beta, double *y, int64_t n_cols,
-        double eps, double *mean_out, double *rstd_out)
+        double eps, double *mean_out, double *rstd_out, int streaming)
     void fastln_layer_norm_backward_row_f32(
         const float *dy, const float *x, const float *gamma, double mean, double rstd,
         float *dx, int64_t n_cols, double *dgamma_acc, double *dbeta_acc)
@@ -33,14 +34,18 @@ cdef extern from "fastln/layer_norm.h" nogil:
         const double *dy, const double *x, const double *gamma, double mean, double rstd,
         double *dx, int64_t n_cols, double *dgamma_acc, double *dbeta_acc)
     void fastln_sum_block_partials_f32(
-        const double *partials, int64_t n_blocks, int64_t n_cols, float *out)
+        double *partials, int64_t n_blocks, int64_t n_cols, float *out)
     void fastln_sum_block_partials_f64(
-        const double *partials, int64_t n_blocks, int64_t n_cols, double *out)
+        double *partials, int64_t n_blocks, int64_t n_cols, double *out)
 
 # Below this many elements a call runs on the calling thread: waking the OpenMP team costs more
 # than the work (a few microseconds).
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 65536
+# Outputs at least this large are written with streaming (non-temporal) stores: measured here,
+# they gain from 32 MiB up and lose below (the output would still have been in cache).
+cdef enum:
+    MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
 # Backward sums dgamma/dbeta over blocks of at least this many rows, at most MAX_BLOCKS blocks.
 # The block layout depends only on n_rows, never on the thread count, so the sums are the same
 # for every num_threads.
@@ -63,31 +68,158 @@ cdef inline void* _data(object array):
     return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
+# ---------------------------------------------------------------------------------------------
+# Fast path. The common call - C-contiguous native float32/float64 arrays, axis=-1, nothing
+# unusual - is recognised here with a few C-level checks instead of the general Python checks,
+# because for one 768-wide row those checks would cost ten times the arithmetic. Anything the
+# fast path does not recognise (including every invalid argument) returns None, and the caller
+# takes the general path, which does the full checking and raises the errors.
+# ---------------------------------------------------------------------------------------------
+
+cdef inline bint _is_kernel_array(object value, int typenum):
+    """An exact ndarray of typenum: C-contiguous, aligned, native byte order."""
+    if type(value) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray array = <cnp.ndarray>value
+    return (cnp.PyArray_TYPE(array) == typenum and cnp.PyArray_ISCARRAY_RO(array)
+            and cnp.PyArray_ISNOTSWAPPED(array))
+
+
+cdef inline bint _is_param(object value, int typenum, Py_ssize_t n_cols):
+    """None, or a 1-D kernel array of n_cols elements."""
+    if value is None:
+        return True
+    return (_is_kernel_array(value, typenum) and cnp.PyArray_NDIM(<cnp.ndarray>value) == 1
+            and cnp.PyArray_DIM(<cnp.ndarray>value, 0) == n_cols)
+
+
+cdef inline bint _overlaps(object a, object b):
+    """Whether the memory of two contiguous arrays (or None) intersects."""
+    if a is None or b is None:
+        return False
+    cdef char *a_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>a)
+    cdef char *b_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>b)
+    return (a_start < b_start + cnp.PyArray_NBYTES(<cnp.ndarray>b)
+            and b_start < a_start + cnp.PyArray_NBYTES(<cnp.ndarray>a))
+
+
+cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
+    cdef int ndim = cnp.PyArray_NDIM(a)
+    cdef int axis
+    if cnp.PyArray_NDIM(b) != ndim:
+        return False
+    for axis in range(ndim):
+        if cnp.PyArray_DIM(a, axis) != cnp.PyArray_DIM(b, axis):
+            return False
+    return True
+
+
+cdef inline int _fast_num_threads(object num_threads):
+    """The thread count, or 0 when the value needs the general path's checking."""
+    if num_threads is None:
+        return fastln_openmp_max_threads()
+    if type(num_threads) is int and num_threads >= 1:
+        return min(<long>num_threads, 1 << 20)
+    return 0
+
+
+cdef inline bint _is_fast_eps(object eps):
+    return type(eps) is float and 0.0 <= <double>eps < INFINITY
+
+
+cdef inline bint _is_fast_out(object out, cnp.ndarray like):
+    """None, or a writeable kernel array of like's dtype and shape."""
+    if out is None:
+        return True
+    return (_is_kernel_array(out, cnp.PyArray_TYPE(like))
+            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out) and _same_shape(<cnp.ndarray>out, like))
+
+
+def layer_norm_forward_fast(object x, object gamma, object beta, object eps, object axis,
+                            object out, object num_threads, bint keep_cache):
+    """y, or (y, mean, rstd) with keep_cache; None when the call needs the general path."""
+    if type(x) is not cnp.ndarray:
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef int typenum = cnp.PyArray_TYPE(x_array)
+    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+        return None
+    cdef int ndim = cnp.PyArray_NDIM(x_array)
+    if ndim == 0 or not _is_kernel_array(x, typenum):
+        return None
+    if type(axis) is not int or (axis != -1 and axis != ndim - 1):
+        return None
+    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
+    if n_cols == 0:
+        return None
+    cdef int threads = _fast_num_threads(num_threads)
+    if (threads == 0 or not _is_fast_eps(eps) or not _is_param(gamma, typenum, n_cols)
+            or not _is_param(beta, typenum, n_cols) or not _is_fast_out(out, x_array)):
+        return None
+    if out is not None:
+        if _overlaps(out, gamma) or _overlaps(out, beta):
+            return None
+        if _overlaps(out, x) and (keep_cache
+                                  or cnp.PyArray_DATA(<cnp.ndarray>out) != cnp.PyArray_DATA(x_array)):
+            return None
+    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
+    y = out if out is not None else cnp.PyArray_EMPTY(ndim, cnp.PyArray_DIMS(x_array), typenum, 0)
+    mean = rstd = None
+    if keep_cache:
+        mean = cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x_array), typenum, 0)
+        rstd = cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x_array), typenum, 0)
+    _run_forward(x_array, gamma, beta, <cnp.ndarray>y, mean, rstd, n_rows, n_cols, <double>eps,
+                 threads)
+    if keep_cache:
+        return y, mean, rstd
+    return y
+
+
+cdef inline void _forward_row(const floating *x, const floating *gamma, const floating *beta,
+                              floating *y, floating *mean, floating *rstd, Py_ssize_t row,
+                              Py_ssize_t n_cols, double eps, bint streaming) noexcept nogil:
+    cdef double row_mean, row_rstd
+    if floating is float:
+        fastln_layer_norm_forward_row_f32(x + row * n_cols, gamma, beta, y + row * n_cols,
+                                          n_cols, eps, &row_mean, &row_rstd, streaming)
+    else:
+        fastln_layer_norm_forward_row_f64(x + row * n_cols, gamma, beta, y + row * n_cols,
+                                          n_cols, eps, &row_mean, &row_rstd, streaming)
+    if mean != NULL:
+        mean[row] = <floating>row_mean
+        rstd[row] = <floating>row_rstd
+
+
+cdef inline bint _worth_threads(int num_threads, Py_ssize_t n_tasks,
+                                Py_ssize_t n_elements) noexcept nogil:
+    return num_threads > 1 and n_tasks > 1 and n_elements >= MIN_ELEMENTS_FOR_THREADS
+
+
 cdef void _forward_rows(const floating *x, const floating *gamma, const floating *beta,
                         floating *y, floating *mean, floating *rstd,
                         Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
                         int num_threads) noexcept nogil:
     cdef Py_ssize_t row
-    cdef double row_mean, row_rstd
-    cdef bint use_threads = num_threads > 1 and n_rows > 1 and n_rows * n_cols >= MIN_ELEMENTS_FOR_THREADS
-    for row in prange(n_rows, schedule='static', num_threads=num_threads,
-                      use_threads_if=use_threads):
-        if floating is float:
-            fastln_layer_norm_forward_row_f32(x + row * n_cols, gamma, beta, y + row * n_cols,
-                                              n_cols, eps, &row_mean, &row_rstd)
-        else:
-            fastln_layer_norm_forward_row_f64(x + row * n_cols, gamma, beta, y + row * n_cols,
-                                              n_cols, eps, &row_mean, &row_rstd)
-        if mean != NULL:
-            mean[row] = <floating>row_mean
-            rstd[row] = <floating>row_rstd
+    cdef bint streaming = n_rows * n_cols * sizeof(floating) >= MIN_BYTES_FOR_STREAMING
+    # Small calls stay out of OpenMP entirely: even a disabled parallel region costs ~0.5 us.
+    if _worth_threads(num_threads, n_rows, n_rows * n_cols):
+        for row in prange(n_rows, schedule='static', num_threads=num_threads):
+            _forward_row(x, gamma, beta, y, mean, rstd, row, n_cols, eps, streaming)
+    else:
+        for row in range(n_rows):
+            _forward_row(x, gamma, beta, y, mean, rstd, row, n_cols, eps, streaming)
 
 
 def layer_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y,
                        object mean, object rstd, double eps, int num_threads):
     """Forward over the rows of the 2-D array x into y; mean/rstd (1-D, or None) get the stats."""
-    cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
+    _run_forward(x, gamma, beta, y, mean, rstd, cnp.PyArray_DIM(x, 0), cnp.PyArray_DIM(x, 1),
+                 eps, num_threads)
+
+
+cdef void _run_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, object mean,
+                       object rstd, Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
+                       int num_threads):
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *y_data = cnp.PyArray_DATA(y)
     cdef void *gamma_data = _data(gamma)
@@ -106,6 +238,22 @@ def layer_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y,
                           <double*>rstd_data, n_rows, n_cols, eps, num_threads)
 
 
+cdef inline void _backward_block(const floating *dy, const floating *x, const floating *gamma,
+                                 const floating *mean, const floating *rstd, floating *dx,
+                                 double *block_dgamma, double *block_dbeta, Py_ssize_t row_start,
+                                 Py_ssize_t row_end, Py_ssize_t n_cols) noexcept nogil:
+    cdef Py_ssize_t row
+    for row in range(row_start, row_end):
+        if floating is float:
+            fastln_layer_norm_backward_row_f32(
+                dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
+                dx + row * n_cols, n_cols, block_dgamma, block_dbeta)
+        else:
+            fastln_layer_norm_backward_row_f64(
+                dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
+                dx + row * n_cols, n_cols, block_dgamma, block_dbeta)
+
+
 cdef int _backward_rows(const floating *dy, const floating *x, const floating *gamma,
                         const floating *mean, const floating *rstd, floating *dx,
                         floating *dgamma, floating *dbeta,
@@ -113,28 +261,21 @@ cdef int _backward_rows(const floating *dy, const floating *x, const floating *g
     """Returns -1 when the scratch for the dgamma/dbeta partial sums cannot be allocated."""
     cdef Py_ssize_t n_blocks = min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
     cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
-    cdef Py_ssize_t block, row, row_end
-    cdef double *block_dgamma
-    cdef double *block_dbeta
-    cdef bint use_threads = num_threads > 1 and n_blocks > 1 and n_rows * n_cols >= MIN_ELEMENTS_FOR_THREADS
+    cdef Py_ssize_t block
     # One row of partial sums per block for dgamma, then one per block for dbeta.
     cdef double *partials = <double*>calloc(2 * n_blocks * n_cols, sizeof(double))
     if partials == NULL:
         return -1
-    for block in prange(n_blocks, schedule='static', num_threads=num_threads,
-                        use_threads_if=use_threads):
-        block_dgamma = partials + block * n_cols
-        block_dbeta = partials + (n_blocks + block) * n_cols
-        row_end = min((block + 1) * rows_per_block, n_rows)
-        for row in range(block * rows_per_block, row_end):
-            if floating is float:
-                fastln_layer_norm_backward_row_f32(
-                    dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
-                    dx + row * n_cols, n_cols, block_dgamma, block_dbeta)
-            else:
-                fastln_layer_norm_backward_row_f64(
-                    dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
-                    dx + row * n_cols, n_cols, block_dgamma, block_dbeta)
+    if _worth_threads(num_threads, n_blocks, n_rows * n_cols):
+        for block in prange(n_blocks, schedule='static', num_threads=num_threads):
+            _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
+                            partials + (n_blocks + block) * n_cols, block * rows_per_block,
+                            min((block + 1) * rows_per_block, n_rows), n_cols)
+    else:
+        for block in range(n_blocks):
+            _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
+                            partials + (n_blocks + block) * n_cols, block * rows_per_block,
+                            min((block + 1) * rows_per_block, n_rows), n_cols)
     if floating is float:
         fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
         fastln_sum_block_partials_f32(partials + n_blocks * n_cols, n_blocks, n_cols, dbeta)
@@ -149,8 +290,56 @@ def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
                         cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma,
                         cnp.ndarray dbeta, int num_threads):
     """Backward over the rows of the 2-D arrays dy and x into dx, dgamma and dbeta."""
-    cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
+    _run_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, cnp.PyArray_DIM(x, 0),
+                  cnp.PyArray_DIM(x, 1), num_threads)
+
+
+def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object gamma,
+                             object out, object num_threads):
+    """(dx, dgamma, dbeta) for a cache normalized over x's last axis; None for the general path.
+
+    x, mean and rstd come from a LayerNormCache; dy must already be a kernel array of x's dtype
+    and shape.
+    """
+    if type(x) is not cnp.ndarray or type(dy) is not cnp.ndarray:
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef int typenum = cnp.PyArray_TYPE(x_array)
+    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
+        return None
+    cdef int ndim = cnp.PyArray_NDIM(x_array)
+    if (ndim == 0 or not _is_kernel_array(x, typenum) or not _is_kernel_array(dy, typenum)
+            or not _same_shape(<cnp.ndarray>dy, x_array)):
+        return None
+    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
+    if n_cols == 0:
+        return None
+    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
+    cdef int threads = _fast_num_threads(num_threads)
+    if (threads == 0 or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)
+            or not _is_kernel_array(mean, typenum) or not _is_kernel_array(rstd, typenum)
+            or cnp.PyArray_SIZE(<cnp.ndarray>mean) != n_rows
+            or cnp.PyArray_SIZE(<cnp.ndarray>rstd) != n_rows):
+        return None
+    if out is not None:
+        if _overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd):
+            return None
+        for source in (dy, x):
+            if _overlaps(out, source) and (cnp.PyArray_DATA(<cnp.ndarray>out)
+                                           != cnp.PyArray_DATA(<cnp.ndarray>source)):
+                return None
+    dx = out if out is not None else cnp.PyArray_EMPTY(ndim, cnp.PyArray_DIMS(x_array), typenum, 0)
+    dgamma = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
+    dbeta = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
+    _run_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
+                  <cnp.ndarray>dx, <cnp.ndarray>dgamma, <cnp.ndarray>dbeta, n_rows, n_cols,
+                  threads)
+    return dx, dgamma, dbeta
+
+
+cdef int _run_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
+                       cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma, cnp.ndarray dbeta,
+                       Py_ssize_t n_rows, Py_ssize_t n_cols, int num_threads) except -1:
     cdef void *dy_data = cnp.PyArray_DATA(dy)
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *gamma_data = _data(gamma)
@@ -174,3 +363,4 @@ def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
                 <double*>dgamma_data, <double*>dbeta_data, n_rows, n_cols, num_threads)
     if status != 0:
         raise MemoryError("layer_norm_backward: cannot allocate the dgamma/dbeta partial sums")
+    return 0

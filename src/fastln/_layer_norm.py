@@ -8,6 +8,7 @@ from fastln._validation import (
     check_eps,
     check_input,
     check_out,
+    check_out_keeps_x,
     check_param,
     normalize_axis,
     protect_from_output,
@@ -68,9 +69,8 @@ def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
         y = np.empty(x.shape, dtype)
     else:
         y = check_out(out, x.shape, dtype)
-        if keep_cache and np.may_share_memory(y, x):
-            raise ValueError("out overlaps x: layer_norm_forward keeps x for the backward pass; "
-                             "use fastln.layer_norm for an in-place forward")
+        if keep_cache:
+            check_out_keeps_x(y, x)
     y_rows = y.reshape(n_rows, n_cols)
     x_rows = protect_from_output(x_rows, y_rows)
     gamma = protect_from_output(gamma, y_rows)
@@ -119,6 +119,9 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
     >>> fastln.layer_norm(np.array([10.0, 20.0, 60.0])).round(4)
     array([-0.9258, -0.4629,  1.3887])
     """
+    y = _kernels.layer_norm_forward_fast(x, gamma, beta, eps, axis, out, num_threads, False)
+    if y is not None:
+        return y
     return _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=False)
 
 
@@ -134,6 +137,10 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
         refers to x without copying it: do not modify x before calling the backward. For the
         same reason ``out`` may not overlap x here.
     """
+    result = _kernels.layer_norm_forward_fast(x, gamma, beta, eps, axis, out, num_threads, True)
+    if result is not None:
+        y, mean, rstd = result
+        return y, LayerNormCache(x, mean, rstd, x.ndim - 1, eps)
     return _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=True)
 
 
@@ -174,6 +181,11 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dgamma, dbeta : ndarray of shape ``x.shape[axis:]``
         Sums over the rows, identical for every ``num_threads``.
     """
+    if type(cache) is LayerNormCache and cache.axis == cache.x.ndim - 1:
+        result = _kernels.layer_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd, gamma,
+                                                   out, num_threads)
+        if result is not None:
+            return result
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "layer_norm")
     dtype = cache.dtype

@@ -137,6 +137,13 @@ def check_out(out, shape, dtype, name="out"):
     return out
 
 
+def check_out_keeps_x(out, x):
+    """A forward that returns a cache keeps x for the backward, so out must not overwrite it."""
+    if np.may_share_memory(out, x):
+        raise ValueError("out overlaps x: the forward with a cache keeps x for the backward pass; "
+                         "use layer_norm (no cache) for an in-place forward")
+
+
 def same_memory(a, b):
     """True when a and b start at the same address with the same C-contiguous layout."""
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
