@@ -17,25 +17,124 @@ FASTLN_INLINE void fastln_ln_write_row_f64(
     const double *x, const double *gamma, const double *beta, double *y, int64_t n_cols,
     double shift, double mean_shifted, double rstd, int streaming);
 
+FASTLN_INLINE void fastln_ln_backward_write_row_f32(
+    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
+    double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
+    float *dgamma_acc, float *dbeta_acc);
+FASTLN_INLINE void fastln_ln_backward_write_row_f64(
+    const double *dy, const double *x, const double *gamma, double *dx, int64_t n_cols,
+    double mean, double mean_correction, double rstd, double total_dxhat,
+    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc);
+
+/* FASTLN_ACC_T is the type of the backward's per-row dgamma/dbeta accumulators: float32 rows
+ * accumulate a few rows in float (the caller folds them into double partial sums every
+ * FASTLN_ROWS_PER_FLUSH rows), float64 rows accumulate in double directly. */
+#define FASTLN_ROWS_PER_FLUSH 16
+
 #define FASTLN_T float
+#define FASTLN_ACC_T float
 #define FASTLN_NAME(name) name##_f32
 #define FASTLN_LOAD8 fastln_load8_f32
 #define FASTLN_STORE8 fastln_store8_f32
+#define FASTLN_ACC_LOAD8 fastln_load8_f32
+#define FASTLN_ACC_STORE8 fastln_store8_f32
 #include "fastln/layer_norm_impl.h"
 #undef FASTLN_T
+#undef FASTLN_ACC_T
 #undef FASTLN_NAME
 #undef FASTLN_LOAD8
 #undef FASTLN_STORE8
+#undef FASTLN_ACC_LOAD8
+#undef FASTLN_ACC_STORE8
 
 #define FASTLN_T double
+#define FASTLN_ACC_T double
 #define FASTLN_NAME(name) name##_f64
 #define FASTLN_LOAD8 fastln_load8_f64
 #define FASTLN_STORE8 fastln_store8_f64
+#define FASTLN_ACC_LOAD8 fastln_load8_f64
+#define FASTLN_ACC_STORE8 fastln_store8_f64
 #include "fastln/layer_norm_impl.h"
 #undef FASTLN_T
+#undef FASTLN_ACC_T
 #undef FASTLN_NAME
 #undef FASTLN_LOAD8
 #undef FASTLN_STORE8
+#undef FASTLN_ACC_LOAD8
+#undef FASTLN_ACC_STORE8
+
+/* Folds float accumulators into double partial sums and clears them (float32 backward). */
+FASTLN_DISPATCH
+static void fastln_flush_accumulators_f32(
+    float *FASTLN_RESTRICT accumulators, double *FASTLN_RESTRICT partials, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) {
+        partials[j] += (double)accumulators[j];
+        accumulators[j] = 0.0f;
+    }
+}
+
+/* float64 backward rows: the double write pass. */
+FASTLN_INLINE void fastln_ln_backward_write_row_f64(
+    const double *dy, const double *x, const double *gamma, double *dx, int64_t n_cols,
+    double mean, double mean_correction, double rstd, double total_dxhat,
+    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc)
+{
+    fastln_ln_backward_write_row_double_f64(dy, x, gamma, dx, n_cols, mean, mean_correction,
+                                            rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
+                                            dbeta_acc);
+}
+
+/* float32 backward rows in float32, like the forward's write pass:
+ *     dx = rstd * ((dx_hat - mean(dx_hat)) - x_hat * mean(dx_hat * x_hat))
+ * with both means taken in double by the first pass and x_hat centred on a float32 head + tail
+ * mean. Subtracting mean(dx_hat) first keeps the cancellation inside one float32 rounding (a
+ * one-element row gives dx = 0 exactly). Rows whose rstd does not fit a float32 take the double
+ * path. */
+FASTLN_INLINE void fastln_ln_backward_write_row_f32(
+    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
+    double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
+    float *dgamma_acc, float *dbeta_acc)
+{
+    if (!(rstd > 1e-30 && rstd < 1e30)) {
+        fastln_ln_backward_write_row_double_f32(dy, x, gamma, dx, n_cols, mean, mean_correction,
+                                                rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
+                                                dbeta_acc);
+        return;
+    }
+    const float mean_head = (float)mean; /* mean is a float32 value already (the cache's) */
+    const float mean_tail = (float)mean_correction;
+    const float rstd_f = (float)rstd;
+    const float mean_dxhat = (float)(total_dxhat / (double)n_cols);
+    const float mean_dxhat_xhat = (float)(total_dxhat_xhat / (double)n_cols);
+    int64_t i = 0;
+    for (; i + 16 <= n_cols; i += 16) {
+        __builtin_prefetch(dy + n_cols + i, 0, 3);
+        __builtin_prefetch(x + n_cols + i, 0, 3);
+        fastln_f16 dy16, x16, scale = {0}, dgamma16, dbeta16;
+        memcpy(&dy16, dy + i, sizeof dy16);
+        memcpy(&x16, x + i, sizeof x16);
+        if (gamma) memcpy(&scale, gamma + i, sizeof scale);
+        memcpy(&dgamma16, dgamma_acc + i, sizeof dgamma16);
+        memcpy(&dbeta16, dbeta_acc + i, sizeof dbeta16);
+        const fastln_f16 x_hat = ((x16 - mean_head) - mean_tail) * rstd_f;
+        const fastln_f16 dx_hat = gamma ? dy16 * scale : dy16;
+        const fastln_f16 dx16 = ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd_f;
+        dgamma16 += dy16 * x_hat;
+        dbeta16 += dy16;
+        memcpy(dgamma_acc + i, &dgamma16, sizeof dgamma16);
+        memcpy(dbeta_acc + i, &dbeta16, sizeof dbeta16);
+        memcpy(dx + i, &dx16, sizeof dx16);
+    }
+    for (; i < n_cols; i++) {
+        const float x_hat = ((x[i] - mean_head) - mean_tail) * rstd_f;
+        const float dx_hat = gamma ? dy[i] * gamma[i] : dy[i];
+        const float dy_i = dy[i];
+        dx[i] = ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd_f;
+        dgamma_acc[i] += dy_i * x_hat;
+        dbeta_acc[i] += dy_i;
+    }
+}
 
 /* float64 rows: the double write pass, with streaming stores when asked and y is aligned. */
 FASTLN_INLINE void fastln_ln_write_row_f64(

@@ -110,18 +110,52 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate)(
     }
 }
 
-/* dx for eight elements, and their dy * x_hat and dy added to the dgamma/dbeta partials. */
+/* dx for eight elements, in double, and their dy * x_hat and dy added to the dgamma/dbeta
+ * accumulators (of type FASTLN_ACC_T). */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write8)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx,
     double mean, double mean_correction, double rstd, double n, double sum_dxhat,
-    double sum_dxhat_xhat, double *dgamma_acc, double *dbeta_acc)
+    double sum_dxhat_xhat, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
 {
     const fastln_d8 dy8 = FASTLN_LOAD8(dy);
     const fastln_d8 x_hat = ((FASTLN_LOAD8(x) - mean) - mean_correction) * rstd;
     const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
-    fastln_store8_f64(dgamma_acc, fastln_load8_f64(dgamma_acc) + dy8 * x_hat);
-    fastln_store8_f64(dbeta_acc, fastln_load8_f64(dbeta_acc) + dy8);
+    FASTLN_ACC_STORE8(dgamma_acc, FASTLN_ACC_LOAD8(dgamma_acc) + dy8 * x_hat);
+    FASTLN_ACC_STORE8(dbeta_acc, FASTLN_ACC_LOAD8(dbeta_acc) + dy8);
     FASTLN_STORE8(dx, (rstd / n) * ((n * dx_hat - sum_dxhat) - x_hat * sum_dxhat_xhat));
+}
+
+/* The write pass of the backward, all in double: dx, and the dgamma/dbeta accumulators. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_cols,
+    double mean, double mean_correction, double rstd, double total_dxhat,
+    double total_dxhat_xhat, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
+{
+    const double n = (double)n_cols;
+    int64_t i = 0;
+    for (; i + 8 <= n_cols; i += 8) {
+        __builtin_prefetch(dy + n_cols + i, 0, 3);
+        __builtin_prefetch(x + n_cols + i, 0, 3);
+        FASTLN_NAME(fastln_ln_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
+                                               mean, mean_correction, rstd, n, total_dxhat,
+                                               total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
+    }
+    if (i < n_cols) {
+        const int rest = (int)(n_cols - i);
+        FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
+        FASTLN_ACC_T dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
+        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(FASTLN_ACC_T));
+        memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(FASTLN_ACC_T));
+        FASTLN_NAME(fastln_ln_backward_write8)(dy_tail, x_tail, gamma ? gamma_tail : NULL, dx_tail,
+                                               mean, mean_correction, rstd, n, total_dxhat,
+                                               total_dxhat_xhat, dgamma_tail, dbeta_tail);
+        memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
+        memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(FASTLN_ACC_T));
+        memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(FASTLN_ACC_T));
+    }
 }
 
 /* Backward of one row, the lesson's two-reduction identity:
@@ -131,13 +165,13 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write8)(
  * as the shift: the cache may hold the mean rounded to float32, and (x - mean) with that rounded
  * mean would lose the digits that matter when |mean| >> std.
  *
- * dgamma_acc and dbeta_acc (double, n_cols) are added to: dgamma += dy * x_hat, dbeta += dy.
- * dx may be dy itself (in place). gamma may be NULL (ones). */
+ * dgamma_acc and dbeta_acc (FASTLN_ACC_T, n_cols) are added to: dgamma += dy * x_hat,
+ * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). */
 FASTLN_DISPATCH
 static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
     double mean, double rstd, FASTLN_T *dx, int64_t n_cols,
-    double *FASTLN_RESTRICT dgamma_acc, double *FASTLN_RESTRICT dbeta_acc)
+    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc)
 {
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS] = {{0}};
     fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS] = {{0}};
@@ -161,28 +195,11 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const double n = (double)n_cols;
     const double mean_correction = fastln_reduce(sum_d) / n;
     const double total_dxhat = fastln_reduce(sum_dxhat);
-    const double total_dxhat_xhat = rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
-
-    for (i = 0; i + 8 <= n_cols; i += 8)
-        FASTLN_NAME(fastln_ln_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
-                                               mean, mean_correction, rstd, n, total_dxhat,
-                                               total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
-    if (i < n_cols) {
-        const int rest = (int)(n_cols - i);
-        FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
-        double dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
-        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
-        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-        memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(double));
-        memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(double));
-        FASTLN_NAME(fastln_ln_backward_write8)(dy_tail, x_tail, gamma ? gamma_tail : NULL, dx_tail,
-                                               mean, mean_correction, rstd, n, total_dxhat,
-                                               total_dxhat_xhat, dgamma_tail, dbeta_tail);
-        memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
-        memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(double));
-        memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(double));
-    }
+    const double total_dxhat_xhat =
+        rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
+    FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, mean, mean_correction,
+                                              rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
+                                              dbeta_acc);
 }
 
 /* dgamma/dbeta: add the per-block partial sums (n_blocks rows of n_cols doubles) in block order,

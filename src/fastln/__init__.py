@@ -4,6 +4,18 @@ C row kernels (include/fastln/) run over the rows with OpenMP, with the GIL rele
 package checks the arguments and allocates the outputs. ``fastln.reference`` holds the readable
 pure-Python version every kernel is tested against.
 """
+from fastln._add_norm import (
+    add_layer_norm,
+    add_layer_norm_forward,
+    add_rms_norm,
+    add_rms_norm_forward,
+)
+from fastln._batch_norm import (
+    BatchNormCache,
+    batch_norm,
+    batch_norm_backward,
+    batch_norm_forward,
+)
 from fastln._config import show_config
 from fastln._layer_norm import (
     LayerNormCache,
@@ -11,13 +23,31 @@ from fastln._layer_norm import (
     layer_norm_backward,
     layer_norm_forward,
 )
+from fastln._rms_norm import (
+    RMSNormCache,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_forward,
+)
 from fastln._version import __version__
 
 __all__ = [
+    "BatchNormCache",
     "LayerNormCache",
+    "RMSNormCache",
     "__version__",
+    "add_layer_norm",
+    "add_layer_norm_forward",
+    "add_rms_norm",
+    "add_rms_norm_forward",
+    "batch_norm",
+    "batch_norm_backward",
+    "batch_norm_forward",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_forward",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_forward",
     "show_config",
 ]

@@ -29,7 +29,9 @@ cdef extern from "fastln/layer_norm.h" nogil:
         double eps, double *mean_out, double *rstd_out, int streaming)
     void fastln_layer_norm_backward_row_f32(
         const float *dy, const float *x, const float *gamma, double mean, double rstd,
-        float *dx, int64_t n_cols, double *dgamma_acc, double *dbeta_acc)
+        float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc)
+    void fastln_flush_accumulators_f32(float *accumulators, double *partials, int64_t n)
+    int FASTLN_ROWS_PER_FLUSH
     void fastln_layer_norm_backward_row_f64(
         const double *dy, const double *x, const double *gamma, double mean, double rstd,
         double *dx, int64_t n_cols, double *dgamma_acc, double *dbeta_acc)
@@ -240,14 +242,23 @@ cdef void _run_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, 
 
 cdef inline void _backward_block(const floating *dy, const floating *x, const floating *gamma,
                                  const floating *mean, const floating *rstd, floating *dx,
-                                 double *block_dgamma, double *block_dbeta, Py_ssize_t row_start,
+                                 double *block_dgamma, double *block_dbeta,
+                                 floating *row_dgamma, floating *row_dbeta, Py_ssize_t row_start,
                                  Py_ssize_t row_end, Py_ssize_t n_cols) noexcept nogil:
+    """Rows [row_start, row_end): dx, and their dgamma/dbeta added to the block's partials.
+
+    float32 rows add into float accumulators (row_dgamma/row_dbeta), folded into the double
+    partials every FASTLN_ROWS_PER_FLUSH rows; float64 rows add into the partials directly.
+    """
     cdef Py_ssize_t row
     for row in range(row_start, row_end):
         if floating is float:
             fastln_layer_norm_backward_row_f32(
                 dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
-                dx + row * n_cols, n_cols, block_dgamma, block_dbeta)
+                dx + row * n_cols, n_cols, row_dgamma, row_dbeta)
+            if (row - row_start + 1) % FASTLN_ROWS_PER_FLUSH == 0 or row == row_end - 1:
+                fastln_flush_accumulators_f32(row_dgamma, block_dgamma, n_cols)
+                fastln_flush_accumulators_f32(row_dbeta, block_dbeta, n_cols)
         else:
             fastln_layer_norm_backward_row_f64(
                 dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
@@ -262,19 +273,29 @@ cdef int _backward_rows(const floating *dy, const floating *x, const floating *g
     cdef Py_ssize_t n_blocks = min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
     cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
     cdef Py_ssize_t block
-    # One row of partial sums per block for dgamma, then one per block for dbeta.
+    # One row of double partial sums per block for dgamma, then one per block for dbeta; for
+    # float32, one row of float accumulators per block for each as well.
     cdef double *partials = <double*>calloc(2 * n_blocks * n_cols, sizeof(double))
-    if partials == NULL:
+    cdef floating *accumulators = NULL
+    if floating is float:
+        accumulators = <floating*>calloc(2 * n_blocks * n_cols, sizeof(floating))
+    if partials == NULL or (floating is float and accumulators == NULL):
+        free(partials)
+        free(accumulators)
         return -1
     if _worth_threads(num_threads, n_blocks, n_rows * n_cols):
         for block in prange(n_blocks, schedule='static', num_threads=num_threads):
             _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
-                            partials + (n_blocks + block) * n_cols, block * rows_per_block,
+                            partials + (n_blocks + block) * n_cols,
+                            accumulators + block * n_cols,
+                            accumulators + (n_blocks + block) * n_cols, block * rows_per_block,
                             min((block + 1) * rows_per_block, n_rows), n_cols)
     else:
         for block in range(n_blocks):
             _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
-                            partials + (n_blocks + block) * n_cols, block * rows_per_block,
+                            partials + (n_blocks + block) * n_cols,
+                            accumulators + block * n_cols,
+                            accumulators + (n_blocks + block) * n_cols, block * rows_per_block,
                             min((block + 1) * rows_per_block, n_rows), n_cols)
     if floating is float:
         fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
@@ -283,6 +304,7 @@ cdef int _backward_rows(const floating *dy, const floating *x, const floating *g
         fastln_sum_block_partials_f64(partials, n_blocks, n_cols, dgamma)
         fastln_sum_block_partials_f64(partials + n_blocks * n_cols, n_blocks, n_cols, dbeta)
     free(partials)
+    free(accumulators)
     return 0
 
 

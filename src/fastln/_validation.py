@@ -3,6 +3,7 @@
 Everything here runs before any work: a bad argument raises a TypeError or ValueError that names
 it and says what was expected and what was given. Nothing here modifies its inputs.
 """
+import math
 import numbers
 import operator
 
@@ -85,8 +86,8 @@ def resolve_num_threads(num_threads):
 
 def rows_and_cols(shape, axis):
     """(n_rows, n_cols): one row per index of shape[:axis], normalized over shape[axis:]."""
-    n_rows = int(np.prod(shape[:axis], dtype=np.int64))
-    n_cols = int(np.prod(shape[axis:], dtype=np.int64))
+    n_rows = math.prod(shape[:axis])
+    n_cols = math.prod(shape[axis:])
     if n_cols == 0:
         raise ValueError(
             f"x.shape[axis:] = {tuple(shape[axis:])} is empty: there is nothing to normalize"

@@ -5,53 +5,47 @@ fastln is tested against these functions. They take the same arguments and raise
 errors as the fast ones (the argument checks are shared); ``num_threads`` is checked and ignored.
 """
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from fastln._layer_norm import check_cache
+from fastln._layer_norm import LayerNormCache, check_cache
 from fastln._validation import (
     as_array,
     check_eps,
     check_input,
     check_out,
+    check_out_keeps_x,
     check_param,
     normalize_axis,
     resolve_num_threads,
     rows_and_cols,
 )
 
-__all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward", "ReferenceLayerNormCache"]
-
-
-@dataclass
-class ReferenceLayerNormCache:
-    """Per-row (x_hat, std_inv, mu) as the lesson's forward stores them, plus the call's shape."""
-
-    x_hat: np.ndarray  # (n_rows, n_cols), float64
-    mean: np.ndarray   # x.shape[:axis], y's dtype
-    rstd: np.ndarray   # x.shape[:axis], y's dtype
-    x: np.ndarray      # the forward's input (kept only for its shape)
-    axis: int
-    eps: float
-    op = "layer_norm"
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    @property
-    def dtype(self):
-        return self.mean.dtype
+__all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 
 
 def _as_rows_float64(array, n_rows, n_cols):
     return np.asarray(array, dtype=np.float64).reshape(n_rows, n_cols)
 
 
+def _standardize(row, eps):
+    """The first four lines of the lesson's loop body: (x_hat, mu, std_inv) of one row."""
+    mu = np.mean(row)                           # scalar
+    var = np.mean((row - mu) ** 2)              # population variance (divide by H, not H - 1)
+    if var + eps == 0:                          # a constant row with eps = 0: x_hat is 0, not NaN
+        return np.zeros_like(row), mu, math.inf
+    std_inv = 1 / math.sqrt(var + eps)          # eps inside the square root
+    x_hat = (row - mu) * std_inv                # standardized row
+    return x_hat, mu, std_inv
+
+
 def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
                        num_threads=None):
-    """LAYER_NORM_FORWARD of the lesson, over x.shape[axis:]; returns (y, cache)."""
+    """LAYER_NORM_FORWARD of the lesson, over x.shape[axis:]; returns (y, cache).
+
+    The cache is a :class:`fastln.LayerNormCache` (x itself plus each row's mean and rstd), the
+    same as fastln's, so caches work across the two implementations.
+    """
     x, dtype = check_input(x)
     axis = normalize_axis(axis, x.ndim)
     N, H = rows_and_cols(x.shape, axis)
@@ -62,38 +56,29 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     resolve_num_threads(num_threads)
     if out is not None:
         check_out(out, x.shape, dtype)
+        check_out_keeps_x(out, x)
 
     X = _as_rows_float64(x, N, H)
     gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
     beta = np.zeros(H) if beta is None else beta.astype(np.float64)
 
     y = np.zeros((N, H))
-    x_hat_rows = np.zeros((N, H))
     means = np.zeros(N)
     std_invs = np.zeros(N)
     for n in range(N):
         row = X[n, :]                           # this example's H features
-        mu = np.mean(row)                       # scalar
-        var = np.mean((row - mu) ** 2)          # population variance (divide by H, not H - 1)
-        std_inv = 1 / math.sqrt(var + eps)      # eps inside the square root
-        x_hat = (row - mu) * std_inv            # standardized row
+        x_hat, mu, std_inv = _standardize(row, eps)
         y[n, :] = gamma * x_hat + beta          # per-feature scale and shift
-        x_hat_rows[n], means[n], std_invs[n] = x_hat, mu, std_inv
+        means[n], std_invs[n] = mu, std_inv
 
     batch_shape = x.shape[:axis]
     result = y.reshape(x.shape).astype(dtype)
     if out is not None:
         out[...] = result
         result = out
-    cache = ReferenceLayerNormCache(
-        x_hat=x_hat_rows,
-        mean=means.astype(dtype).reshape(batch_shape),
-        rstd=std_invs.astype(dtype).reshape(batch_shape),
-        x=x,
-        axis=axis,
-        eps=eps,
-    )
-    return result, cache
+    mean = means.astype(dtype).reshape(batch_shape)
+    rstd = std_invs.astype(dtype).reshape(batch_shape)
+    return result, LayerNormCache(x, mean, rstd, axis, eps)
 
 
 def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
@@ -114,15 +99,16 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     if out is not None:
         check_out(out, cache.shape, dtype)
 
+    X = _as_rows_float64(cache.x, N, H)
     dY = _as_rows_float64(dy, N, H)
     gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
-    std_invs = np.asarray(cache.rstd, dtype=np.float64).reshape(N)
 
     dGamma = np.zeros(H)
     dBeta = np.zeros(H)
     dX = np.zeros((N, H))
     for n in range(N):
-        x_hat, std_inv = cache.x_hat[n], std_invs[n]
+        # The cache holds x rather than the lesson's x_hat (O(rows) memory): recompute it.
+        x_hat, _, std_inv = _standardize(X[n, :], cache.eps)
         dy_row = dY[n, :]
         dGamma += dy_row * x_hat
         dBeta += dy_row
@@ -137,3 +123,282 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
         dx = out
     return (dx, dGamma.reshape(normalized_shape).astype(dtype),
             dBeta.reshape(normalized_shape).astype(dtype))
+
+
+# =============================================================================================
+# The normalization family: RMSNorm, residual add + norm, BatchNorm (same conventions as above:
+# the caches are fastln's own, so caches work across the two implementations)
+# =============================================================================================
+
+from fastln._add_norm import check_residual  # noqa: E402  (the family's shared checks)
+from fastln._batch_norm import (  # noqa: E402
+    BatchNormCache,
+    check_batch_norm_args,
+    check_feature_param,
+    feature_layout,
+)
+from fastln._rms_norm import RMSNormCache  # noqa: E402
+
+__all__ += [
+    "rms_norm", "rms_norm_forward", "rms_norm_backward",
+    "add_layer_norm", "add_layer_norm_forward", "add_rms_norm", "add_rms_norm_forward",
+    "batch_norm", "batch_norm_forward", "batch_norm_backward",
+]
+
+
+def _write_out(result, out):
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
+def _rms_standardize(row, eps):
+    """(x_hat, std_inv) of one row: divide by the root-mean-square, no mean subtraction."""
+    mean_square = np.mean(row ** 2)             # float64 squares, no mean subtraction
+    if mean_square + eps == 0:                  # an all-zero row with eps = 0: x_hat is 0
+        return np.zeros_like(row), math.inf
+    std_inv = 1 / math.sqrt(mean_square + eps)
+    return row * std_inv, std_inv
+
+
+def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
+    x, dtype = check_input(x)
+    axis = normalize_axis(axis, x.ndim)
+    N, H = rows_and_cols(x.shape, axis)
+    normalized_shape = x.shape[axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    eps = check_eps(eps)
+    resolve_num_threads(num_threads)
+    if out is not None:
+        check_out(out, x.shape, dtype)
+        if keep_cache:
+            check_out_keeps_x(out, x)
+
+    X = _as_rows_float64(x, N, H)
+    gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
+
+    y = np.zeros((N, H))
+    std_invs = np.zeros(N)
+    for n in range(N):
+        x_hat, std_invs[n] = _rms_standardize(X[n, :], eps)
+        y[n, :] = gamma * x_hat                  # scale only, no shift
+
+    result = _write_out(y.reshape(x.shape).astype(dtype), out)
+    rstd = std_invs.astype(dtype).reshape(x.shape[:axis])
+    return result, RMSNormCache(x, rstd, axis, eps)
+
+
+def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
+    """RMSNorm (the lessons: "skips the mean subtraction and divides by the root-mean-square
+    only"), over x.shape[axis:]; returns (y, cache) with a :class:`fastln.RMSNormCache`."""
+    return _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache=True)
+
+
+def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
+    """y of :func:`rms_norm_forward` (out may be x itself here)."""
+    return _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache=False)[0]
+
+
+def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
+    """RMSNorm backward; returns (dx, dgamma).
+
+    y = gamma * x_hat with x_hat = x * std_inv and std_inv = (mean(x**2) + eps)**-0.5, so
+    d std_inv / dx = -std_inv**3 * x / H and, with dx_hat = dy * gamma,
+        dx = std_inv * (dx_hat - x_hat * mean(dx_hat * x_hat)).
+    """
+    dy = as_array(dy, "dy")
+    check_cache(cache, dy, "rms_norm")
+    dtype = cache.dtype
+    N, H = rows_and_cols(cache.shape, cache.axis)
+    normalized_shape = cache.shape[cache.axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    resolve_num_threads(num_threads)
+    if out is not None:
+        check_out(out, cache.shape, dtype)
+
+    X = _as_rows_float64(cache.x, N, H)
+    dY = _as_rows_float64(dy, N, H)
+    gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
+
+    dGamma = np.zeros(H)
+    dX = np.zeros((N, H))
+    for n in range(N):
+        x_hat, std_inv = _rms_standardize(X[n, :], cache.eps)   # recomputed from x
+        dy_row = dY[n, :]
+        dGamma += dy_row * x_hat
+        dx_hat = dy_row * gamma
+        dX[n, :] = std_inv * (dx_hat - x_hat * np.mean(dx_hat * x_hat))
+
+    dx = _write_out(dX.reshape(cache.shape).astype(dtype), out)
+    return dx, dGamma.reshape(normalized_shape).astype(dtype)
+
+
+def _residual_sum(x, residual, bias, axis, out, sum_out):
+    """s = x + residual (+ bias) in float64, rounded once to the output dtype; checks included."""
+    x, dtype = check_input(x)
+    residual = check_residual(residual, x)
+    axis = normalize_axis(axis, x.ndim)
+    rows_and_cols(x.shape, axis)
+    bias = check_param(bias, "bias", x.shape[axis:], dtype)
+    if out is not None:
+        check_out(out, x.shape, dtype)
+    if sum_out is not None:
+        check_out(sum_out, x.shape, dtype, name="sum_out")
+    if out is not None and sum_out is not None and np.may_share_memory(out, sum_out):
+        raise ValueError("out and sum_out overlap: they must be different arrays")
+    s = np.asarray(x, dtype=np.float64) + residual.astype(dtype).astype(np.float64)
+    if bias is not None:
+        s = s + bias.astype(np.float64).reshape(x.shape[axis:])
+    return s.astype(dtype), axis
+
+
+def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
+                           out=None, sum_out=None, num_threads=None):
+    """s = x + residual (+ bias), then LAYER_NORM_FORWARD of s; returns (y, s, cache)."""
+    s, axis = _residual_sum(x, residual, bias, axis, out, sum_out)
+    s = _write_out(s, sum_out)                  # before y: the cache refers to s
+    y, cache = layer_norm_forward(s, gamma, beta, eps, axis=axis, out=out,
+                                  num_threads=num_threads)
+    return y, s, cache
+
+
+def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                   sum_out=None, num_threads=None):
+    """(y, s) of :func:`add_layer_norm_forward`."""
+    y, s, _ = add_layer_norm_forward(x, residual, gamma, beta, eps, bias=bias, axis=axis, out=out,
+                                     sum_out=sum_out, num_threads=num_threads)
+    return y, s
+
+
+def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                         sum_out=None, num_threads=None):
+    """s = x + residual (+ bias), then the RMSNorm forward of s; returns (y, s, cache)."""
+    s, axis = _residual_sum(x, residual, bias, axis, out, sum_out)
+    s = _write_out(s, sum_out)                  # before y: the cache refers to s
+    y, cache = rms_norm_forward(s, gamma, eps, axis=axis, out=out, num_threads=num_threads)
+    return y, s, cache
+
+
+def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                 sum_out=None, num_threads=None):
+    """(y, s) of :func:`add_rms_norm_forward`."""
+    y, s, _ = add_rms_norm_forward(x, residual, gamma, eps, bias=bias, axis=axis, out=out,
+                                   sum_out=sum_out, num_threads=num_threads)
+    return y, s
+
+
+def _feature_columns(array, axis):
+    """(m, C) float64: column c holds every value of feature c (the feature axis moved last)."""
+    moved = np.moveaxis(np.asarray(array, dtype=np.float64), axis, -1)
+    m = int(np.prod(moved.shape[:-1], dtype=np.int64))
+    return moved.reshape(m, moved.shape[-1])
+
+
+def _from_feature_columns(columns, shape, axis):
+    moved_shape = shape[:axis] + shape[axis + 1:] + (shape[axis],)
+    return np.moveaxis(columns.reshape(moved_shape), -1, axis)
+
+
+def _batch_statistics(column, eps):
+    """(x_hat, mu, var, std_inv) of one feature over the batch (section 8.2.1-8.2.2)."""
+    mu = np.mean(column)                        # batch mean
+    var = np.mean((column - mu) ** 2)           # biased batch variance (divide by m)
+    if var + eps == 0:                          # a constant feature with eps = 0: x_hat is 0
+        return np.zeros_like(column), mu, var, math.inf
+    std_inv = 1 / math.sqrt(var + eps)
+    return (column - mu) * std_inv, mu, var, std_inv
+
+
+def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis, out,
+                num_threads, keep_cache):
+    (x, dtype, axis, (_, C, _), gamma, beta, running_mean, running_var, training, alpha, eps,
+     _) = check_batch_norm_args(x, gamma, beta, running_mean, running_var, training, momentum,
+                                eps, axis, num_threads)
+    if out is not None:
+        check_out(out, x.shape, dtype)
+        if keep_cache:
+            check_out_keeps_x(out, x)
+
+    X = _feature_columns(x, axis)               # (m, C): the m values of each feature
+    gamma = np.ones(C) if gamma is None else gamma
+    beta = np.zeros(C) if beta is None else beta
+
+    Y = np.zeros(X.shape)
+    means, std_invs, batch_vars = np.zeros(C), np.zeros(C), np.zeros(C)
+    for c in range(C):
+        column = X[:, c]                        # feature c across the whole batch
+        if training:
+            x_hat, mu, batch_vars[c], std_inv = _batch_statistics(column, eps)
+        else:                                   # population estimates from training
+            mu = float(running_mean[c])
+            std_inv = 1 / math.sqrt(float(running_var[c]) + eps)
+            x_hat = (column - mu) * std_inv
+        Y[:, c] = gamma[c] * x_hat + beta[c]
+        means[c], std_invs[c] = mu, std_inv
+
+    if training and running_mean is not None:  # exponential moving averages, alpha on the old
+        running_mean[...] = alpha * running_mean.astype(np.float64) + (1 - alpha) * means
+        running_var[...] = alpha * running_var.astype(np.float64) + (1 - alpha) * batch_vars
+
+    result = _write_out(_from_feature_columns(Y, x.shape, axis).astype(dtype), out)
+    return result, BatchNormCache(x, means, std_invs, axis, eps, training, dtype)
+
+
+def batch_norm_forward(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
+                       training=False, momentum=0.9, eps=1e-5, axis=-1, out=None,
+                       num_threads=None):
+    """The lesson's BatchNorm (section 8.2): per-feature statistics over the batch; returns
+    (y, cache) and, in training mode, updates the running statistics in place (8.2.3)."""
+    return _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis,
+                       out, num_threads, keep_cache=True)
+
+
+def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *, training=False,
+               momentum=0.9, eps=1e-5, axis=-1, out=None, num_threads=None):
+    """y of :func:`batch_norm_forward` (out may be x itself here)."""
+    return _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis,
+                       out, num_threads, keep_cache=False)[0]
+
+
+def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
+    """BatchNorm backward; returns (dx, dgamma, dbeta).
+
+    Training: the same two-reduction identity as LAYER_NORM_BACKWARD, with the sums running
+    down each feature's m values instead of along a row (x_hat recomputed from x). Evaluation:
+    the statistics are constants, so dx = dy * gamma * std_inv.
+    """
+    dy = as_array(dy, "dy")
+    check_cache(cache, dy, "batch_norm")
+    dtype = cache.dtype
+    _, C, _ = feature_layout(cache.shape, cache.axis)
+    gamma = check_feature_param(gamma, "gamma", C, dtype)
+    resolve_num_threads(num_threads)
+    if out is not None:
+        check_out(out, cache.shape, dtype)
+
+    X = _feature_columns(cache.x, cache.axis)
+    dY = _feature_columns(dy, cache.axis)
+    gamma = np.ones(C) if gamma is None else gamma
+    m = dY.shape[0]
+
+    dGamma, dBeta = np.zeros(C), np.zeros(C)
+    dX = np.zeros(dY.shape)
+    for c in range(C):
+        if cache.training:
+            x_hat, _, _, std_inv = _batch_statistics(X[:, c], cache.eps)
+        else:
+            std_inv = float(cache.rstd[c])
+            x_hat = (X[:, c] - cache.mean[c]) * std_inv
+        dy_column = dY[:, c]
+        dGamma[c] = np.sum(dy_column * x_hat)
+        dBeta[c] = np.sum(dy_column)
+        dx_hat = dy_column * gamma[c]
+        if cache.training:
+            dX[:, c] = (std_inv / m) * (m * dx_hat - np.sum(dx_hat)
+                                        - x_hat * np.sum(dx_hat * x_hat))
+        else:
+            dX[:, c] = dx_hat * std_inv
+
+    dx = _write_out(_from_feature_columns(dX, cache.shape, cache.axis).astype(dtype), out)
+    return dx, dGamma.astype(dtype), dBeta.astype(dtype)

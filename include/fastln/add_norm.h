@@ -1,0 +1,42 @@
+/* Fused residual add + normalization row kernels (the pre-norm transformer step):
+ *
+ *     s = x + residual (+ bias),   y = layer_norm(s) or rms_norm(s)
+ *
+ * One call per row reads x and residual once, writes s once, and then runs the LayerNorm or
+ * RMSNorm row kernel on s while the row is still in cache, writing y once. Using those very
+ * kernels (not a copy of them) makes y bitwise what fastln.layer_norm / fastln.rms_norm give
+ * for the returned s.
+ *
+ * s is computed in double and rounded once to the element type: for float32 that is exactly
+ * NumPy's x + residual (double holds the sum of two floats exactly), and with a bias the
+ * three-term sum is rounded once instead of twice. */
+#ifndef FASTLN_ADD_NORM_H
+#define FASTLN_ADD_NORM_H
+
+#include <stdint.h>
+#include <string.h>
+#include "fastln/common.h"
+#include "fastln/layer_norm.h"
+#include "fastln/rms_norm.h"
+
+#define FASTLN_T float
+#define FASTLN_NAME(name) name##_f32
+#define FASTLN_LOAD8 fastln_load8_f32
+#define FASTLN_STORE8 fastln_store8_f32
+#include "fastln/add_norm_impl.h"
+#undef FASTLN_T
+#undef FASTLN_NAME
+#undef FASTLN_LOAD8
+#undef FASTLN_STORE8
+
+#define FASTLN_T double
+#define FASTLN_NAME(name) name##_f64
+#define FASTLN_LOAD8 fastln_load8_f64
+#define FASTLN_STORE8 fastln_store8_f64
+#include "fastln/add_norm_impl.h"
+#undef FASTLN_T
+#undef FASTLN_NAME
+#undef FASTLN_LOAD8
+#undef FASTLN_STORE8
+
+#endif /* FASTLN_ADD_NORM_H */

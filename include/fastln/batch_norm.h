@@ -1,0 +1,130 @@
+/* BatchNorm kernels for float32 (suffix _f32) and float64 (suffix _f64).
+ *
+ * x is viewed as a C-contiguous (n_outer, n_features, n_inner) array: n_features is the feature
+ * axis, and each feature's statistics run over the n_outer * n_inner values of its column
+ * (n_inner = 1 for (N, C) data with the features last; n_inner = H * W for NCHW images).
+ *
+ * Two layouts, chosen from the shape alone:
+ *   - rows (n_inner == 1): a row holds one value of every feature; the kernels sweep rows and
+ *     keep one accumulator per feature, eight features per vector.
+ *   - segments (n_inner > 1): one feature's values come in contiguous segments of n_inner; the
+ *     kernels reduce a feature's segments with the fixed-order vector accumulators of common.h.
+ * The caller splits the outer axis into blocks whose layout depends only on the shape, runs the
+ * blocks (and features) in any order on any thread, and adds the per-block partial sums in
+ * block order (fastln_bn_combine_partials): the result is identical for every thread count.
+ *
+ * Statistics are accumulated in double, shifted by a value of the feature itself (its first
+ * value), so features with |mean| >> std do not cancel (the LayerNorm trap, down a column). The
+ * per-feature finishing steps (fastln_bn_*_constants) are plain loops over the features. */
+#ifndef FASTLN_BATCH_NORM_H
+#define FASTLN_BATCH_NORM_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "fastln/common.h"
+
+/* Sum the per-block partials (n_blocks rows of n_features doubles) in block order. */
+static inline void fastln_bn_combine_partials(const double *FASTLN_RESTRICT partials,
+                                              int64_t n_blocks, int64_t n_features,
+                                              double *FASTLN_RESTRICT out)
+{
+    for (int64_t c = 0; c < n_features; c++) {
+        double total = 0.0;
+        for (int64_t b = 0; b < n_blocks; b++) total += partials[b * n_features + c];
+        out[c] = total;
+    }
+}
+
+/* Training forward: batch mean, biased variance and rstd of every feature from its shifted sums
+ * over `count` values, and the constants of the write pass
+ *     y = ((x - shift) - center) * scale + offset,  center = mean - shift, scale = rstd * gamma.
+ * gamma and beta (double) may be NULL (ones and zeros). */
+static inline void fastln_bn_train_constants(
+    int64_t n_features, double count, const double *shift, const double *sum,
+    const double *sumsq, const double *gamma, const double *beta, double eps, double *mean_out,
+    double *var_out, double *rstd_out, double *center_out, double *scale_out, double *offset_out)
+{
+    for (int64_t c = 0; c < n_features; c++) {
+        const double mean_shifted = sum[c] / count;
+        double var = sumsq[c] / count - mean_shifted * mean_shifted;
+        if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
+        const double rstd = 1.0 / sqrt(var + eps);
+        mean_out[c] = shift[c] + mean_shifted;
+        var_out[c] = var;
+        rstd_out[c] = rstd;
+        center_out[c] = mean_shifted;
+        scale_out[c] = gamma ? rstd * gamma[c] : rstd;
+        offset_out[c] = beta ? beta[c] : 0.0;
+    }
+}
+
+/* Evaluation forward: the same write-pass constants from the running statistics
+ * (shift = running_mean, center = 0). */
+static inline void fastln_bn_eval_constants(
+    int64_t n_features, const double *running_mean, const double *running_var,
+    const double *gamma, const double *beta, double eps, double *mean_out, double *rstd_out,
+    double *shift_out, double *center_out, double *scale_out, double *offset_out)
+{
+    for (int64_t c = 0; c < n_features; c++) {
+        const double rstd = 1.0 / sqrt(running_var[c] + eps);
+        mean_out[c] = running_mean[c];
+        rstd_out[c] = rstd;
+        shift_out[c] = running_mean[c];
+        center_out[c] = 0.0;
+        scale_out[c] = gamma ? rstd * gamma[c] : rstd;
+        offset_out[c] = beta ? beta[c] : 0.0;
+    }
+}
+
+/* Backward: dgamma, dbeta and the constants of the dx pass from the sums over each feature's
+ * `count` values of dy, dy * d and d, with d = x - mean (mean and rstd as the forward used).
+ *
+ * Training (the lesson's two-reduction identity down the batch axis):
+ *     x_hat = (d - correction) * rstd,  correction = mean(d)  (exact mean; see below)
+ *     dgamma = sum(dy * x_hat),  dbeta = sum(dy)
+ *     dx = gamma * rstd * (dy - dbeta / count - x_hat * dgamma / count)
+ *        = k * ((dy - mean_dy) - (d - correction) * coef)
+ * The correction re-derives the batch mean from x itself, so a mean rounded in the cache costs
+ * nothing (the same device as LayerNorm's backward).
+ * Evaluation (the affine map): dx = dy * k with k = gamma * rstd, x_hat = d * rstd; the dx
+ * constants mean_dy, correction and coef are 0. gamma (double) may be NULL (ones). */
+static inline void fastln_bn_backward_constants(
+    int64_t n_features, double count, int training, const double *rstd, const double *gamma,
+    const double *sum_dy, const double *sum_dy_d, const double *sum_d, double *dgamma_out,
+    double *dbeta_out, double *correction_out, double *k_out, double *mean_dy_out,
+    double *coef_out)
+{
+    for (int64_t c = 0; c < n_features; c++) {
+        const double correction = training ? sum_d[c] / count : 0.0;
+        const double dgamma = rstd[c] * (sum_dy_d[c] - correction * sum_dy[c]);
+        dgamma_out[c] = dgamma;
+        dbeta_out[c] = sum_dy[c];
+        correction_out[c] = correction;
+        k_out[c] = gamma ? gamma[c] * rstd[c] : rstd[c];
+        mean_dy_out[c] = training ? sum_dy[c] / count : 0.0;
+        coef_out[c] = training ? rstd[c] * dgamma / count : 0.0;
+    }
+}
+
+#define FASTLN_T float
+#define FASTLN_NAME(name) name##_f32
+#define FASTLN_LOAD8 fastln_load8_f32
+#define FASTLN_STORE8 fastln_store8_f32
+#include "fastln/batch_norm_impl.h"
+#undef FASTLN_T
+#undef FASTLN_NAME
+#undef FASTLN_LOAD8
+#undef FASTLN_STORE8
+
+#define FASTLN_T double
+#define FASTLN_NAME(name) name##_f64
+#define FASTLN_LOAD8 fastln_load8_f64
+#define FASTLN_STORE8 fastln_store8_f64
+#include "fastln/batch_norm_impl.h"
+#undef FASTLN_T
+#undef FASTLN_NAME
+#undef FASTLN_LOAD8
+#undef FASTLN_STORE8
+
+#endif /* FASTLN_BATCH_NORM_H */

@@ -1,0 +1,178 @@
+/* Template body of rms_norm.h: included once per element type with FASTLN_T (the element type),
+ * FASTLN_NAME(name) (appends the type suffix), FASTLN_LOAD8 and FASTLN_STORE8 (eight elements
+ * to/from a fastln_d8) defined. No include guard on purpose.
+ *
+ * Like layer_norm_impl.h, a row's last (n_cols % 32 or % 8) elements go through the same vector
+ * code on a small zero-padded copy (zeros add exactly nothing to a sum), so there is no scalar
+ * path and each sum's order depends on n_cols alone. */
+
+/* sumsq += (x * scale)^2 over FASTLN_BLOCK elements. scale is 1 except on the overflow path. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_accumulate)(
+    const FASTLN_T *x, double scale, fastln_d8 sumsq[FASTLN_ACCUMULATORS])
+{
+    for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
+        const fastln_d8 v = FASTLN_LOAD8(x + 8 * a) * scale;
+        sumsq[a] += v * v;
+    }
+}
+
+/* sum((x * scale)^2) over the row, in the fixed order of the accumulators. */
+FASTLN_INLINE double FASTLN_NAME(fastln_rms_sum_squares)(const FASTLN_T *x, int64_t n_cols,
+                                                         double scale)
+{
+    fastln_d8 sumsq[FASTLN_ACCUMULATORS] = {{0}};
+    int64_t i = 0;
+    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
+        FASTLN_NAME(fastln_rms_accumulate)(x + i, scale, sumsq);
+    if (i < n_cols) {
+        FASTLN_T padded[FASTLN_BLOCK] = {0};
+        memcpy(padded, x + i, (size_t)(n_cols - i) * sizeof(FASTLN_T));
+        FASTLN_NAME(fastln_rms_accumulate)(padded, scale, sumsq);
+    }
+    return fastln_reduce(sumsq);
+}
+
+/* 1 / sqrt(mean(x * x) + eps) of one row.
+ *
+ * The sum of squares is in double, where float32 squares can neither overflow nor underflow.
+ * A float64 row can: squares beyond about 1e154 overflow, and with eps = 0 squares below about
+ * 1e-154 lose their digits. Such a row (rare, tested outside the hot loop) is summed again scaled
+ * by the power of two `scale` that brings max|x| into [0.5, 1) (so the scaling is exact):
+ *     rstd = scale / sqrt(mean((x * scale)^2) + eps * scale^2).
+ * An all-zero row gives 1 / sqrt(eps), and Inf when eps = 0 (the caller then writes y = 0). */
+FASTLN_INLINE double FASTLN_NAME(fastln_rms_row_rstd)(const FASTLN_T *x, int64_t n_cols,
+                                                      double eps)
+{
+    const double n = (double)n_cols;
+    const double mean_square = FASTLN_NAME(fastln_rms_sum_squares)(x, n_cols, 1.0) / n;
+    if (mean_square <= DBL_MAX && mean_square + eps >= DBL_MIN) /* false for Inf and NaN */
+        return 1.0 / sqrt(mean_square + eps);
+    if (mean_square != mean_square) return mean_square; /* NaN in the row */
+    double max_abs = 0.0;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double magnitude = fabs((double)x[i]);
+        if (magnitude > max_abs) max_abs = magnitude;
+    }
+    if (!(max_abs <= DBL_MAX)) return 0.0;          /* an Inf in the row: mean(x * x) is Inf */
+    if (max_abs == 0.0) return 1.0 / sqrt(eps);     /* all zeros */
+    int exponent;
+    frexp(max_abs, &exponent);
+    const double scale = ldexp(1.0, -exponent);
+    const double eps_scaled = (eps * scale) * scale;
+    if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps); /* eps dwarfs every square */
+    const double scaled = FASTLN_NAME(fastln_rms_sum_squares)(x, n_cols, scale) / n;
+    return scale / sqrt(scaled + eps_scaled);
+}
+
+/* y = gamma * (x * rstd) for eight elements; gamma may be NULL. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_write8)(
+    const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *y, double rstd)
+{
+    fastln_d8 out = FASTLN_LOAD8(x) * rstd;
+    if (gamma) out *= FASTLN_LOAD8(gamma);
+    FASTLN_STORE8(y, out);
+}
+
+/* Forward of one row of n_cols elements: one read for the sum of squares, then y is written in
+ * a second pass while the row is still in cache.
+ *
+ * y may be x itself (in place): each element is read before it is overwritten. gamma may be
+ * NULL (ones). rstd_out receives the row's 1 / sqrt(mean(x * x) + eps). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_rms_norm_forward_row)(
+    const FASTLN_T *x, const FASTLN_T *FASTLN_RESTRICT gamma, FASTLN_T *y, int64_t n_cols,
+    double eps, double *rstd_out)
+{
+    const double rstd = FASTLN_NAME(fastln_rms_row_rstd)(x, n_cols, eps);
+    *rstd_out = rstd;
+    /* rstd = Inf only for an all-zero row with eps = 0: x_hat is defined as 0 there (as
+     * LayerNorm does for a constant row), not 0 * Inf = NaN. */
+    const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+    int64_t i = 0;
+    for (; i + 8 <= n_cols; i += 8)
+        FASTLN_NAME(fastln_rms_write8)(x + i, gamma ? gamma + i : NULL, y + i, x_scale);
+    if (i < n_cols) {
+        const size_t rest = (size_t)(n_cols - i);
+        FASTLN_T x_tail[8] = {0}, gamma_tail[8] = {0}, y_tail[8];
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        FASTLN_NAME(fastln_rms_write8)(x_tail, gamma ? gamma_tail : NULL, y_tail, x_scale);
+        memcpy(y + i, y_tail, rest * sizeof(FASTLN_T));
+    }
+}
+
+/* sum(dx_hat * x_hat) over FASTLN_BLOCK elements, dx_hat = dy * gamma, x_hat = x * x_scale. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_accumulate)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double x_scale,
+    fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS])
+{
+    for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
+        fastln_d8 dx_hat = FASTLN_LOAD8(dy + 8 * a);
+        if (gamma) dx_hat *= FASTLN_LOAD8(gamma + 8 * a);
+        sum_dxhat_xhat[a] += dx_hat * (FASTLN_LOAD8(x + 8 * a) * x_scale);
+    }
+}
+
+/* dx for eight elements, and their dy * x_hat added to the dgamma partials (x_hat = x * x_scale,
+ * see the backward row). */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write8)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, double rstd,
+    double x_scale, double mean_dxhat_xhat, double *dgamma_acc)
+{
+    const fastln_d8 dy8 = FASTLN_LOAD8(dy);
+    const fastln_d8 x_hat = FASTLN_LOAD8(x) * x_scale;
+    const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
+    fastln_store8_f64(dgamma_acc, fastln_load8_f64(dgamma_acc) + dy8 * x_hat);
+    FASTLN_STORE8(dx, rstd * (dx_hat - x_hat * mean_dxhat_xhat));
+}
+
+/* Backward of one row. With x_hat = x * rstd and dx_hat = dy * gamma,
+ *     dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat))
+ * (the LayerNorm identity without the mean terms). x_hat is formed before any product, so
+ * rows of huge or tiny magnitude neither overflow nor underflow.
+ *
+ * dgamma_acc (double, n_cols) is added to: dgamma += dy * x_hat. dx may be dy itself (in
+ * place). gamma may be NULL (ones). An all-zero row with eps = 0 (rstd = Inf) has x_hat = 0, as
+ * in the forward; its dx is then Inf * dx_hat: the gradient of x / |x| at 0 does not exist. */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_rms_norm_backward_row)(
+    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
+    double rstd, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc)
+{
+    const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+    fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS] = {{0}};
+    int64_t i = 0;
+    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
+        FASTLN_NAME(fastln_rms_backward_accumulate)(dy + i, x + i, gamma ? gamma + i : NULL,
+                                                    x_scale, sum_dxhat_xhat);
+    if (i < n_cols) {
+        /* Padding with dy = 0 and x = 0 adds exactly zero to the sum. */
+        FASTLN_T dy_tail[FASTLN_BLOCK] = {0}, x_tail[FASTLN_BLOCK] = {0};
+        FASTLN_T gamma_tail[FASTLN_BLOCK] = {0};
+        const size_t rest = (size_t)(n_cols - i);
+        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        FASTLN_NAME(fastln_rms_backward_accumulate)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
+                                                    x_scale, sum_dxhat_xhat);
+    }
+    const double mean_dxhat_xhat = fastln_reduce(sum_dxhat_xhat) / (double)n_cols;
+
+    for (i = 0; i + 8 <= n_cols; i += 8)
+        FASTLN_NAME(fastln_rms_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
+                                                rstd, x_scale, mean_dxhat_xhat, dgamma_acc + i);
+    if (i < n_cols) {
+        const size_t rest = (size_t)(n_cols - i);
+        FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
+        double dgamma_tail[8] = {0};
+        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(double));
+        FASTLN_NAME(fastln_rms_backward_write8)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
+                                                dx_tail, rstd, x_scale, mean_dxhat_xhat,
+                                                dgamma_tail);
+        memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
+        memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(double));
+    }
+}

@@ -1,0 +1,197 @@
+"""Fused residual add + LayerNorm / RMSNorm: ``s = x + residual (+ bias)``, ``y = norm(s)``.
+
+One pass per row instead of three (add, statistics, normalize): x and residual are read once, s
+and y written once (ONNX Runtime's ``SkipLayerNormalization`` does the same and also returns the
+sum). The caches are the plain LayerNorm / RMSNorm caches of s, so the ordinary backwards apply.
+"""
+import numpy as np
+
+from fastln import _family_kernels
+from fastln._layer_norm import LayerNormCache
+from fastln._rms_norm import RMSNormCache
+from fastln._validation import (
+    as_array,
+    as_kernel_array,
+    check_eps,
+    check_input,
+    check_out,
+    check_param,
+    normalize_axis,
+    output_dtype,
+    protect_from_output,
+    resolve_num_threads,
+    rows_and_cols,
+)
+
+
+def check_residual(residual, x):
+    """residual: a real array of exactly x's shape (no broadcasting); cast later to y's dtype."""
+    residual = as_array(residual, "residual")
+    output_dtype(residual.dtype, "residual")  # TypeError for complex, object, string, ...
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {residual.shape}, expected x.shape = {x.shape}")
+    return residual
+
+
+def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
+             keep_cache):
+    name = "add_rms_norm" if rms else "add_layer_norm"
+    x, dtype = check_input(x)
+    residual = check_residual(residual, x)
+    axis = normalize_axis(axis, x.ndim)
+    n_rows, n_cols = rows_and_cols(x.shape, axis)
+    normalized_shape = x.shape[axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    beta = None if rms else check_param(beta, "beta", normalized_shape, dtype)
+    bias = check_param(bias, "bias", normalized_shape, dtype)
+    eps = check_eps(eps)
+    num_threads = resolve_num_threads(num_threads)
+    y = np.empty(x.shape, dtype) if out is None else check_out(out, x.shape, dtype)
+    s = (np.empty(x.shape, dtype) if sum_out is None
+         else check_out(sum_out, x.shape, dtype, name="sum_out"))
+    if np.may_share_memory(y, s):
+        raise ValueError(f"out and sum_out overlap: {name} writes both y and s, so they must be "
+                         "different arrays")
+
+    y_rows = y.reshape(n_rows, n_cols)
+    s_rows = s.reshape(n_rows, n_cols)
+    x_rows = as_kernel_array(x, dtype).reshape(n_rows, n_cols)
+    residual_rows = as_kernel_array(residual, dtype).reshape(n_rows, n_cols)
+    # Within a row, x and residual are read completely before s is written, and s is complete
+    # before y is written: an output exactly on top of x or residual is safe; any other
+    # overlap (with gamma, beta, bias too) gets a copy.
+    x_rows = protect_from_output(protect_from_output(x_rows, y_rows), s_rows)
+    residual_rows = protect_from_output(protect_from_output(residual_rows, y_rows), s_rows)
+    bias, gamma, beta = (None if p is None
+                         else protect_from_output(protect_from_output(p, y_rows), s_rows)
+                         for p in (bias, gamma, beta))
+
+    mean = rstd = None
+    if keep_cache:
+        rstd = np.empty(n_rows, dtype)
+        mean = None if rms else np.empty(n_rows, dtype)
+    _family_kernels.add_norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows, y_rows,
+                                     mean, rstd, rms, eps, num_threads)
+    if not keep_cache:
+        return y, s
+    batch_shape = x.shape[:axis]
+    if rms:
+        cache = RMSNormCache(s, rstd.reshape(batch_shape), axis, eps)
+    else:
+        cache = LayerNormCache(s, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps)
+    return y, s, cache
+
+
+_SHARED_DOC = """
+    ``s = x + residual + bias`` is computed in float64 and rounded once to the output dtype (for
+    float32 without bias that is exactly NumPy's ``x + residual``), and y is bitwise what the
+    unfused normalization of that s gives. The output dtype is x's (see
+    :func:`fastln.layer_norm`); residual and bias are cast to it.
+
+    Parameters
+    ----------
+    x : array_like
+        The sublayer output (float32/float64 as they are; integer and bool as float64).
+    residual : array_like of x's shape
+        The residual stream. Not broadcast: it must have exactly x's shape.
+    {params}
+    bias : array_like of shape ``x.shape[axis:]``, optional
+        Added to the sum before normalizing (the sublayer's bias folded in).
+    axis : int, default -1
+        The first normalized axis.
+    out : ndarray, optional
+        Buffer for y: C-contiguous, shape ``x.shape``, the output dtype. May be x or residual.
+    sum_out : ndarray, optional
+        Buffer for s, with the same rules. May be ``residual`` itself (the in-place
+        residual-stream update) or x; must not overlap ``out``.
+    num_threads : int, optional
+        OpenMP threads; None uses OpenMP's default. Results are identical for every value.
+"""
+
+_GRADIENT_DOC = """
+    Gradients: s feeds y (and whatever uses s downstream), and ``ds/dx = ds/dresidual = 1``. So
+    with ``ds`` the gradient :func:`{backward}` returns for the cache (plus any gradient flowing
+    into s directly), ``dx = dresidual = ds`` and ``dbias = ds`` summed over ``x.shape[:axis]``.
+"""
+
+
+def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                   sum_out=None, num_threads=None):
+    return _forward(False, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
+                    keep_cache=False)
+
+
+def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
+                           out=None, sum_out=None, num_threads=None):
+    return _forward(False, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
+                    keep_cache=True)
+
+
+def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                 sum_out=None, num_threads=None):
+    return _forward(True, x, residual, gamma, None, eps, bias, axis, out, sum_out, num_threads,
+                    keep_cache=False)
+
+
+def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                         sum_out=None, num_threads=None):
+    return _forward(True, x, residual, gamma, None, eps, bias, axis, out, sum_out, num_threads,
+                    keep_cache=True)
+
+
+_LN_PARAMS = """gamma, beta : array_like of shape ``x.shape[axis:]``, optional
+        Scale and shift of the LayerNorm, cast to the output dtype; None means ones and zeros.
+    eps : float, default 1e-5
+        Added to the variance; a finite number >= 0."""
+_RMS_PARAMS = """gamma : array_like of shape ``x.shape[axis:]``, optional
+        Scale of the RMSNorm, cast to the output dtype; None means ones.
+    eps : float, default 1e-5
+        Added to the mean of squares; a finite number >= 0."""
+
+add_layer_norm.__doc__ = """Fused residual add + LayerNorm: ``s = x + residual (+ bias)``,
+    ``y = layer_norm(s, gamma, beta, eps)``, in one pass (pre-norm transformer inference).
+""" + _SHARED_DOC.format(params=_LN_PARAMS) + """
+    Returns
+    -------
+    y : ndarray of x's shape (``out`` when given)
+    s : ndarray of x's shape (``sum_out`` when given)
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> y, s = fastln.add_layer_norm(np.array([1.0, 2.0, 3.0]), np.array([9.0, 18.0, 57.0]))
+    >>> s, y.round(4)
+    (array([10., 20., 60.]), array([-0.9258, -0.4629,  1.3887]))
+    """
+
+add_layer_norm_forward.__doc__ = """Like :func:`add_layer_norm`, and also returns a cache for
+    :func:`fastln.layer_norm_backward`.
+
+    Returns
+    -------
+    y, s : ndarray
+    cache : LayerNormCache
+        The LayerNorm cache of s (``cache.x is s``): pass it to
+        :func:`fastln.layer_norm_backward`. It refers to s without copying it, so s (which may
+        be ``residual`` when ``sum_out=residual``) must not be modified before the backward.
+""" + _GRADIENT_DOC.format(backward="fastln.layer_norm_backward")
+
+add_rms_norm.__doc__ = """Fused residual add + RMSNorm: ``s = x + residual (+ bias)``,
+    ``y = rms_norm(s, gamma, eps)``, in one pass (pre-norm transformer inference).
+""" + _SHARED_DOC.format(params=_RMS_PARAMS) + """
+    Returns
+    -------
+    y : ndarray of x's shape (``out`` when given)
+    s : ndarray of x's shape (``sum_out`` when given)
+    """
+
+add_rms_norm_forward.__doc__ = """Like :func:`add_rms_norm`, and also returns a cache for
+    :func:`fastln.rms_norm_backward`.
+
+    Returns
+    -------
+    y, s : ndarray
+    cache : RMSNormCache
+        The RMSNorm cache of s (``cache.x is s``): pass it to :func:`fastln.rms_norm_backward`.
+        It refers to s without copying it, so s must not be modified before the backward.
+""" + _GRADIENT_DOC.format(backward="fastln.rms_norm_backward")

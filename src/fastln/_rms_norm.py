@@ -1,0 +1,186 @@
+"""fastln.rms_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
+import numpy as np
+
+from fastln import _family_kernels
+from fastln._layer_norm import check_cache
+from fastln._validation import (
+    as_array,
+    as_kernel_array,
+    check_eps,
+    check_input,
+    check_out,
+    check_param,
+    normalize_axis,
+    protect_from_output,
+    resolve_num_threads,
+    rows_and_cols,
+)
+
+
+class RMSNormCache:
+    """What rms_norm_backward needs from a forward call, in O(rows) memory.
+
+    Attributes
+    ----------
+    rstd : ndarray of shape x.shape[:axis], in y's dtype
+        Each row's 1 / sqrt(mean(x**2) + eps).
+    x : ndarray
+        The forward's input itself, not a copy: it must not be modified before the backward.
+        (For :func:`fastln.add_rms_norm_forward` it is the sum ``s``.)
+    axis : int
+        The first normalized axis (non-negative).
+    eps : float
+    """
+
+    op = "rms_norm"
+    __slots__ = ("x", "rstd", "axis", "eps")
+
+    def __init__(self, x, rstd, axis, eps):
+        self.x = x
+        self.rstd = rstd
+        self.axis = axis
+        self.eps = eps
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.rstd.dtype
+
+    def __repr__(self):
+        return (f"RMSNormCache(shape={self.shape}, axis={self.axis}, "
+                f"dtype={self.dtype.name}, eps={self.eps})")
+
+
+def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
+    x, dtype = check_input(x)
+    axis = normalize_axis(axis, x.ndim)
+    n_rows, n_cols = rows_and_cols(x.shape, axis)
+    gamma = check_param(gamma, "gamma", x.shape[axis:], dtype)
+    eps = check_eps(eps)
+    num_threads = resolve_num_threads(num_threads)
+
+    x_rows = as_kernel_array(x, dtype).reshape(n_rows, n_cols)
+    if out is None:
+        y = np.empty(x.shape, dtype)
+    else:
+        y = check_out(out, x.shape, dtype)
+        if keep_cache and np.may_share_memory(y, x):
+            raise ValueError("out overlaps x: rms_norm_forward keeps x for the backward pass; "
+                             "use fastln.rms_norm for an in-place forward")
+    y_rows = y.reshape(n_rows, n_cols)
+    x_rows = protect_from_output(x_rows, y_rows)
+    gamma = protect_from_output(gamma, y_rows)
+
+    rstd = np.empty(n_rows, dtype) if keep_cache else None
+    _family_kernels.rms_norm_forward(x_rows, gamma, y_rows, rstd, eps, num_threads)
+    if not keep_cache:
+        return y
+    return y, RMSNormCache(x, rstd.reshape(x.shape[:axis]), axis, eps)
+
+
+def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
+    """RMS normalization: ``gamma * x / sqrt(mean(x**2) + eps)`` for each row.
+
+    The mean of squares is taken over ``x.shape[axis:]``, once for each index of
+    ``x.shape[:axis]``, as in ONNX ``RMSNormalization`` (opset 23) and
+    ``torch.nn.functional.rms_norm``. Unlike LayerNorm there is no mean subtraction and no
+    shift. Squares are summed in float64 (float32 values near 1e20 do not overflow; float64 rows
+    whose squares would overflow are rescaled), and an all-zero row gives zeros, not NaN,
+    whenever ``eps > 0``.
+
+    Parameters
+    ----------
+    x : array_like
+        float32 and float64 are computed as they are; integer and bool as float64. Any strides,
+        order or byte order.
+    gamma : array_like of shape ``x.shape[axis:]``, optional
+        Scale, cast to the output dtype; None means ones.
+    eps : float, default 1e-5
+        Added to the mean of squares; a finite number >= 0.
+    axis : int, default -1
+        The first normalized axis.
+    out : ndarray, optional
+        C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
+    num_threads : int, optional
+        OpenMP threads; None uses OpenMP's default (``OMP_NUM_THREADS``). Results are
+        identical for every value.
+
+    Returns
+    -------
+    y : ndarray of x's shape (``out`` when given)
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> fastln.rms_norm(np.array([3.0, 4.0]), eps=0.0).round(4)
+    array([0.8485, 1.1314])
+    """
+    return _forward(x, gamma, eps, axis, out, num_threads, keep_cache=False)
+
+
+def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
+    """Like :func:`rms_norm`, and also returns the cache for :func:`rms_norm_backward`.
+
+    Returns
+    -------
+    y : ndarray
+    cache : RMSNormCache
+        ``cache.rstd`` has shape ``x.shape[:axis]`` and y's dtype. The cache refers to x
+        without copying it: do not modify x before calling the backward. For the same reason
+        ``out`` may not overlap x here.
+    """
+    return _forward(x, gamma, eps, axis, out, num_threads, keep_cache=True)
+
+
+def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
+    """Gradients of :func:`rms_norm_forward` with respect to x and gamma.
+
+    With ``x_hat = x * rstd`` and ``dx_hat = dy * gamma``, per row::
+
+        dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat))
+        dgamma = sum over rows of dy * x_hat
+
+    Parameters
+    ----------
+    dy : array_like
+        Gradient of the loss with respect to y: y's shape and dtype.
+    cache : RMSNormCache
+        From :func:`rms_norm_forward` (or :func:`fastln.add_rms_norm_forward`).
+    gamma : array_like of shape ``x.shape[axis:]``, optional
+        The scale the forward used (None: ones).
+    out : ndarray, optional
+        Buffer for dx, with the rules of the forward's ``out``; may be dy itself.
+    num_threads : int, optional
+
+    Returns
+    -------
+    dx : ndarray of x's shape
+    dgamma : ndarray of shape ``x.shape[axis:]``
+        Sum over the rows, identical for every ``num_threads``; returned even when gamma is
+        None.
+    """
+    dy = as_array(dy, "dy")
+    check_cache(cache, dy, "rms_norm")
+    dtype = cache.dtype
+    axis = cache.axis
+    n_rows, n_cols = rows_and_cols(cache.shape, axis)
+    normalized_shape = cache.shape[axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    num_threads = resolve_num_threads(num_threads)
+
+    dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
+    x_rows = as_kernel_array(cache.x, dtype).reshape(n_rows, n_cols)
+    dx = np.empty(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
+    dx_rows = dx.reshape(n_rows, n_cols)
+    dy_rows = protect_from_output(dy_rows, dx_rows)
+    x_rows = protect_from_output(x_rows, dx_rows)
+    gamma = protect_from_output(gamma, dx_rows)
+    rstd = as_kernel_array(cache.rstd, dtype).reshape(n_rows)
+
+    dgamma = np.empty(normalized_shape, dtype)
+    _family_kernels.rms_norm_backward(dy_rows, x_rows, gamma, rstd, dx_rows, dgamma.reshape(-1),
+                                      num_threads)
+    return dx, dgamma

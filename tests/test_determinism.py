@@ -1,0 +1,206 @@
+"""Bitwise determinism: a row's y does not depend on its batch, its position or its address, and
+y, dx, dgamma, dbeta do not depend on num_threads.
+
+The shapes are big enough (>= 65536 elements, several blocks of rows in the backward) that the
+kernels really split the work between threads.
+"""
+import numpy as np
+import pytest
+
+import fastln
+from conftest import DTYPES, LAYOUTS, assert_bitwise_equal, make_layout, random_input, random_params
+
+BIG_SHAPES = [(2048, 256), (300, 1000), (1000, 67), (97, 1023)]
+ALL_THREADS = (1, 2, 3, 4)
+
+
+def _dtype_id(d):
+    return np.dtype(d).name
+
+
+def _shape_id(s):
+    return "x".join(map(str, s))
+
+
+@pytest.fixture(scope="module")
+def big_inputs():
+    """One set of inputs per (dtype, shape), shared by the tests of this module."""
+    cache = {}
+
+    def get(dtype, shape):
+        key = (np.dtype(dtype).name, shape)
+        if key not in cache:
+            rng = np.random.default_rng(sum(shape) * 7 + len(key[0]))
+            x = random_input(rng, shape, dtype)
+            gamma, beta = random_params(rng, shape[-1:], dtype)
+            dy = rng.standard_normal(shape).astype(dtype)
+            cache[key] = (x, gamma, beta, dy)
+        return cache[key]
+
+    return get
+
+
+# --------------------------------------------------------------------------------------------
+# num_threads
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_params", [True, False], ids=["affine", "no_affine"])
+@pytest.mark.parametrize("shape", BIG_SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_thread_count_does_not_change_any_result(big_inputs, dtype, shape, with_params):
+    x, gamma, beta, dy = big_inputs(dtype, shape)
+    if not with_params:
+        gamma = beta = None
+    results = {}
+    for t in ALL_THREADS + (None,):
+        y, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=t)
+        dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, gamma, num_threads=t)
+        results[t] = (y, cache.mean, cache.rstd, dx, dgamma, dbeta)
+    names = ("y", "mean", "rstd", "dx", "dgamma", "dbeta")
+    for t in ALL_THREADS[1:] + (None,):
+        for name, a, b in zip(names, results[1], results[t]):
+            assert_bitwise_equal(b, a, err_msg=f"{name}: num_threads={t} vs 1")
+    # layer_norm too, and in place
+    for t in ALL_THREADS:
+        assert_bitwise_equal(fastln.layer_norm(x, gamma, beta, num_threads=t), results[1][0],
+                             err_msg=f"layer_norm num_threads={t}")
+    inplace = x.copy()
+    fastln.layer_norm(inplace, gamma, beta, out=inplace, num_threads=3)
+    assert_bitwise_equal(inplace, results[1][0], err_msg="in place, 3 threads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_thread_count_with_other_axes(big_inputs, dtype):
+    """3-D input normalized over the last two axes: the same bits for every thread count."""
+    x, _, _, dy = big_inputs(dtype, (2048, 256))
+    x3 = x.reshape(256, 8, 256)
+    dy3 = dy.reshape(x3.shape)
+    gamma, beta = random_params(np.random.default_rng(5), (8, 256), dtype)
+    first = None
+    for t in ALL_THREADS:
+        y, cache = fastln.layer_norm_forward(x3, gamma, beta, axis=1, num_threads=t)
+        grads = fastln.layer_norm_backward(dy3, cache, gamma, num_threads=t)
+        current = (y,) + tuple(grads)
+        if first is None:
+            first = current
+        else:
+            for name, a, b in zip(("y", "dx", "dgamma", "dbeta"), first, current):
+                assert_bitwise_equal(b, a, err_msg=f"{name} num_threads={t}")
+
+
+def test_repeated_calls_are_identical(big_inputs):
+    x, gamma, beta, dy = big_inputs(np.float32, (2048, 256))
+    y0, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=2)
+    g0 = fastln.layer_norm_backward(dy, cache, gamma, num_threads=2)
+    for _ in range(3):
+        y, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=2)
+        assert_bitwise_equal(y, y0)
+        for a, b in zip(fastln.layer_norm_backward(dy, cache, gamma, num_threads=2), g0):
+            assert_bitwise_equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# Batch invariance: a row alone, in batches of any size, at any position, at any address
+# --------------------------------------------------------------------------------------------
+
+ROWS = (0, 1, 77, -1)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", BIG_SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_row_alone_equals_row_in_full_batch(big_inputs, dtype, shape, num_threads):
+    x, gamma, beta, dy = big_inputs(dtype, shape)
+    y, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=num_threads)
+    dx = fastln.layer_norm_backward(dy, cache, gamma, num_threads=num_threads)[0]
+    y_plain = fastln.layer_norm(x, num_threads=num_threads)
+    for r in ROWS:
+        r %= shape[0]
+        y1, cache1 = fastln.layer_norm_forward(x[r:r + 1], gamma, beta)
+        assert_bitwise_equal(y1[0], y[r], err_msg=f"y of row {r} alone (2-D)")
+        assert_bitwise_equal(fastln.layer_norm(x[r], gamma, beta), y[r],
+                             err_msg=f"y of row {r} alone (1-D)")
+        assert_bitwise_equal(fastln.layer_norm(x[r]), y_plain[r], err_msg=f"row {r}, no affine")
+        assert_bitwise_equal(cache1.mean[0], cache.mean[r], err_msg=f"mean of row {r}")
+        assert_bitwise_equal(cache1.rstd[0], cache.rstd[r], err_msg=f"rstd of row {r}")
+        dx1 = fastln.layer_norm_backward(dy[r:r + 1], cache1, gamma)[0]
+        assert_bitwise_equal(dx1[0], dx[r], err_msg=f"dx of row {r} alone")
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 8, 17, 64, 300, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_row_at_every_position_of_batches_of_every_size(dtype, batch_size):
+    h = 1000
+    rng = np.random.default_rng(batch_size)
+    row = random_input(rng, (1, h), dtype, offset=3.0)[0]
+    gamma, beta = random_params(rng, (h,), dtype)
+    expected = fastln.layer_norm(row, gamma, beta)
+    positions = sorted({0, batch_size // 2, batch_size - 1})
+    for pos in positions:
+        batch = random_input(rng, (batch_size, h), dtype)
+        batch[pos] = row
+        for t in (1, 2):
+            y = fastln.layer_norm(batch, gamma, beta, num_threads=t)
+            assert_bitwise_equal(y[pos], expected,
+                                 err_msg=f"row at {pos} of a batch of {batch_size}, {t} threads")
+
+
+@pytest.mark.parametrize("offset", range(0, 17))
+@pytest.mark.parametrize("h", [256, 1000, 1023])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_row_at_every_memory_alignment(dtype, h, offset):
+    """The same row at `offset` elements into a buffer (so 4/8-byte steps through every 16-,
+    32- and 64-byte alignment), alone and inside a batch view of the same buffer."""
+    rng = np.random.default_rng(h)
+    row = random_input(rng, (1, h), dtype, offset=-2.0)[0]
+    gamma, beta = random_params(rng, (h,), dtype)
+    expected = fastln.layer_norm(row.copy(), gamma, beta)
+    expected_plain = fastln.layer_norm(row.copy())
+
+    n = 300
+    buf = random_input(rng, (n * h + 32,), dtype)
+    batch = buf[offset:offset + n * h].reshape(n, h)
+    batch[5] = row
+    assert batch.flags.c_contiguous and batch.flags.aligned
+    alone = buf[offset + 5 * h: offset + 6 * h]
+    np.testing.assert_array_equal(alone, row)
+    assert_bitwise_equal(fastln.layer_norm(alone, gamma, beta), expected, err_msg="alone")
+    assert_bitwise_equal(fastln.layer_norm(alone), expected_plain, err_msg="alone, no affine")
+    for t in (1, 2):
+        y = fastln.layer_norm(batch, gamma, beta, num_threads=t)
+        assert_bitwise_equal(y[5], expected, err_msg=f"in batch, {t} threads")
+    # the output's alignment must not matter either
+    out_buf = np.empty(n * h + 32, dtype)
+    out = out_buf[(offset * 3) % 17:(offset * 3) % 17 + n * h].reshape(n, h)
+    fastln.layer_norm(batch, gamma, beta, out=out, num_threads=2)
+    assert_bitwise_equal(out[5], expected, err_msg="unaligned out")
+    # and in place, at this alignment
+    fastln.layer_norm(batch, gamma, beta, out=batch, num_threads=2)
+    assert_bitwise_equal(batch[5], expected, err_msg="in place")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_layout_does_not_change_the_bits(big_inputs, dtype, layout):
+    """A strided, Fortran, byte-swapped... x holds the same numbers, so gives the same bits."""
+    x, gamma, beta, dy = big_inputs(dtype, (300, 1000))
+    y, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=2)
+    grads = fastln.layer_norm_backward(dy, cache, gamma, num_threads=2)
+    xl = make_layout(x, layout)
+    y2, cache2 = fastln.layer_norm_forward(xl, gamma, beta, num_threads=2)
+    grads2 = fastln.layer_norm_backward(make_layout(dy, layout), cache2, gamma, num_threads=2)
+    assert_bitwise_equal(y2, y, err_msg="y")
+    for name, a, b in zip(("dx", "dgamma", "dbeta"), grads2, grads):
+        assert_bitwise_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_axis_spelling_does_not_change_the_bits(big_inputs, dtype):
+    """(2048, 256) normalized over the last axis == (256, 8, 256) with axis=2 == (8, 256, 256)
+    with axis=-1: the same rows, so the same bits."""
+    x, gamma, beta, _ = big_inputs(dtype, (2048, 256))
+    y = fastln.layer_norm(x, gamma, beta, num_threads=2)
+    y3 = fastln.layer_norm(x.reshape(256, 8, 256), gamma, beta, axis=2, num_threads=3)
+    assert_bitwise_equal(y3.reshape(y.shape), y)
+    y4 = fastln.layer_norm(x.reshape(8, 256, 256), gamma, beta, axis=-1, num_threads=1)
+    assert_bitwise_equal(y4.reshape(y.shape), y)
