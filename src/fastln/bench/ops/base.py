@@ -1,0 +1,108 @@
+"""The pieces of the benchmark registry: an operation, its implementations, a prepared call.
+
+An Operation says what is computed (its inputs, the bytes it must move at the least, how close two
+results must be); each Implementation turns those inputs into one ready-to-time call. Adding an
+operation (rms_norm, add_layer_norm, batch_norm, ...) means writing one module like
+``fastln.bench.ops.layer_norm`` and listing its operations in ``fastln.bench.ops``.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+# How a call gets its output array, as the table shows it.
+OUTPUT_NEW = "new"                        # allocates a fresh output on every call
+OUTPUT_REUSED = "reused"                  # writes into one preallocated output (--out-buffer)
+OUTPUT_NO_OUT = "new (no out=)"           # --out-buffer asked, but the implementation has no out=
+
+# Results are compared with fastln's on the first rows only: enough to catch a peer computing
+# something else (a wrong axis, a missing gamma), cheap even for 256 MiB arrays.
+CHECK_ROWS = 64
+CHECK_TOLERANCE = {np.dtype(np.float32): 1e-3, np.dtype(np.float64): 1e-8}
+
+
+@dataclass
+class Prepared:
+    """One implementation, set up for one case: `call()` is what gets timed.
+
+    ``result_arrays(result)`` turns what ``call()`` returned into NumPy arrays (in the operation's
+    order) for the correctness check; ``threads`` is how many threads the call really uses;
+    ``before_sample()``, when given, runs untimed before every sample (torch's thread count is
+    process-wide and must be set again when calls with other counts ran in between).
+    """
+
+    call: Callable[[], object]
+    output: str = OUTPUT_NEW
+    threads: int = 1
+    result_arrays: Callable[[object], Tuple[np.ndarray, ...]] = lambda result: (result,)
+    before_sample: Optional[Callable[[], None]] = None
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A way of computing an operation.
+
+    name: shown in the table ("fastln", "numpy-naive", "torch", ...).
+    peer: what ``--peers`` selects it by ("fastln" is always measured).
+    prepare(inputs, num_threads, out_buffer) -> Prepared: all the setup that must not be timed
+        (buffers, sessions, caches of a forward pass).
+    uses_threads: False for single-threaded code (NumPy), which is then measured once for all
+        thread counts instead of once per count.
+    """
+
+    name: str
+    peer: str
+    prepare: Callable[[object, int, bool], Prepared]
+    description: str = ""
+    uses_threads: bool = True
+
+
+@dataclass(frozen=True)
+class Operation:
+    """Something to benchmark, with every implementation of it.
+
+    name: the ``--ops`` name.
+    make_inputs(shape, dtype, rng): the arguments every implementation receives.
+    bytes_moved(shape, itemsize): the memory traffic no implementation can avoid, for the
+        effective bandwidth.
+    memory_factor: peak memory of a case in units of one input-sized array (inputs, outputs,
+        NumPy's temporaries), so that cases too big for this machine are skipped, not swapped.
+    """
+
+    name: str
+    title: str
+    make_inputs: Callable[[Tuple[int, ...], np.dtype, np.random.Generator], object]
+    bytes_moved: Callable[[Tuple[int, ...], int], int]
+    memory_factor: float
+    implementations: Tuple[Implementation, ...] = field(default_factory=tuple)
+
+    def implementation(self, name):
+        for implementation in self.implementations:
+            if implementation.name == name:
+                return implementation
+        raise KeyError(name)
+
+
+def check_rows(array):
+    """The part of a result the check compares: the first CHECK_ROWS rows, or all of a 1-D one."""
+    array = np.asarray(array)
+    if array.ndim < 2:
+        return np.array(array, copy=True)
+    return np.array(array.reshape(-1, array.shape[-1])[:CHECK_ROWS], copy=True)
+
+
+def compare_results(arrays, reference_arrays, dtype):
+    """None when `arrays` match fastln's within the dtype's tolerance, else what differs."""
+    if len(arrays) != len(reference_arrays):
+        return f"returned {len(arrays)} arrays, expected {len(reference_arrays)}"
+    tolerance = CHECK_TOLERANCE[np.dtype(dtype)]
+    for index, (array, reference) in enumerate(zip(arrays, reference_arrays)):
+        array = check_rows(array)
+        if array.shape != reference.shape:
+            return f"result {index} has shape {array.shape}, expected {reference.shape}"
+        reference64 = reference.astype(np.float64)
+        scale = max(float(np.max(np.abs(reference64), initial=0.0)), 1.0)
+        error = float(np.max(np.abs(array.astype(np.float64) - reference64), initial=0.0)) / scale
+        if not error <= tolerance:  # also catches NaN
+            return f"result {index} differs from fastln's by {error:.2e} (tolerance {tolerance:.0e})"
+    return None

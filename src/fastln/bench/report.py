@@ -1,0 +1,232 @@
+"""What a run leaves behind: a plain-text table, a Markdown table, JSON, a plot.
+
+All of them are made from the report dict that fastln.bench.runner returns, so the table a
+reader sees and the JSON a script compares always hold the same numbers. Only the plot needs an
+optional library (matplotlib).
+"""
+import json
+
+COLUMNS = ("op", "shape", "dtype", "threads", "implementation", "time", "IQR", "GB/s",
+           "% of copy", "fastln speed-up", "output")
+# Columns that are printed once per case, not on every implementation's row.
+CASE_COLUMNS = COLUMNS[:4]
+RIGHT_ALIGNED = {"threads", "time", "IQR", "GB/s", "% of copy", "fastln speed-up"}
+
+IMPLEMENTATION_COLORS = {"fastln": "tab:red", "numpy-naive": "tab:gray",
+                         "numpy-inplace": "tab:blue", "torch": "tab:orange",
+                         "onnxruntime": "tab:green"}
+
+NOTES = (
+    "time: median seconds per call; IQR: interquartile range of the samples over the median. "
+    "Every implementation of a case runs in the same process, in interleaved rounds.",
+    "GB/s: bytes that must move over the median time (forward reads x and writes y; backward "
+    "reads dy and x and writes dx); 1 GB = 1e9 bytes.",
+    "% of copy: GB/s over this machine's copy bandwidth with the same threads (ordinary stores, "
+    "read + write); above 100% the arrays fit in cache.",
+    "fastln speed-up: median over rounds of time(implementation) / time(fastln) within a round; "
+    "above 1 fastln is faster.",
+    "NumPy has no threads of its own: numpy-naive and numpy-inplace run on one thread, are "
+    "timed once per shape and dtype, in the same rounds as every thread count, and are shown "
+    "at each.",
+    "output: new = allocates its output on every call; reused = writes into a preallocated "
+    "output (--out-buffer); new (no out=) = the library has no way to reuse one.",
+)
+
+
+def format_seconds(seconds):
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def format_gigabytes_per_second(bytes_per_second):
+    value = bytes_per_second / 1e9
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def _shape(shape):
+    return "x".join(str(n) for n in shape)
+
+
+def _case_key(record):
+    return (record["op"], tuple(record["shape"]), record["dtype"], record["threads"])
+
+
+def table_rows(report):
+    """One list of cell strings per result, in COLUMNS order; case cells only on a case's first."""
+    rows, previous_case = [], None
+    for record in report["results"]:
+        case = _case_key(record)
+        first_of_case = case != previous_case
+        previous_case = case
+        cells = {
+            "op": record["op"], "shape": _shape(record["shape"]), "dtype": record["dtype"],
+            "threads": str(record["threads"]), "implementation": record["implementation"],
+        }
+        if record["status"] == "ok":
+            median = record["median_s"]
+            fraction = record["fraction_of_copy_bandwidth"]
+            cells.update({
+                "time": format_seconds(median),
+                "IQR": f"{(record['q3_s'] - record['q1_s']) / median:.0%}",
+                "GB/s": format_gigabytes_per_second(record["bandwidth_bytes_per_second"]),
+                "% of copy": "" if fraction is None else f"{fraction:.0%}",
+                "fastln speed-up": ("-" if record["implementation"] == "fastln"
+                                    else f"{record['fastln_speedup']:.2f}x"),
+                "output": record["output"],
+            })
+        else:
+            cells.update({"time": "not timed", "output": record["status"].split(":")[0]})
+        if not first_of_case:
+            for column in CASE_COLUMNS:
+                cells[column] = ""
+        rows.append([cells.get(column, "") for column in COLUMNS])
+    return rows
+
+
+def _copy_line(report):
+    by_stores = {}
+    for result in report["copy_bandwidth"]:
+        by_stores.setdefault(result["stores"], []).append(
+            f"{result['threads']} thread{'s' if result['threads'] > 1 else ''} "
+            f"{result['bytes_per_second'] / 1e9:.1f} GB/s")
+    buffer_mib = report["copy_bandwidth"][0]["buffer_bytes"] / (1 << 20)
+    parts = [f"{stores} stores: {', '.join(values)}" for stores, values in by_stores.items()]
+    return (f"copy bandwidth (read + write, 2 x {buffer_mib:.0f} MiB, median): "
+            + "; ".join(parts))
+
+
+def header_lines(report):
+    from fastln.bench.machine import summary_line
+
+    described = report["machine"]
+    fastln_info = described["fastln"]
+    software = [f"fastln {fastln_info['fastln']} (OpenMP {'on' if fastln_info['openmp'] else 'off'})",
+                f"numpy {described['numpy']}", f"python {described['python']}"]
+    software += [f"{name} {version}" for name, version in described["peers"].items()
+                 if name not in ("numpy", "onnx")]
+    settings = report["settings"]
+    rounds = settings["rounds"]
+    rounds_text = (f"{rounds} rounds" if isinstance(rounds, int)
+                   else f"{rounds[0]}-{rounds[1]} rounds")
+    return [
+        f"machine: {summary_line(described)}",
+        f"software: {', '.join(software)}",
+        _copy_line(report),
+        f"command: {report['command'] or '(called from Python)'}",
+        f"run: {report['started_at']}, {report['duration_seconds']:.0f} s, {rounds_text} of "
+        f"samples >= {settings['min_sample_seconds'] * 1e3:g} ms per case",
+    ]
+
+
+def problem_lines(report):
+    lines = [f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
+             f"{record['dtype']} threads={record['threads']}: {record['status']}"
+             for record in report["results"] if record["status"] != "ok"]
+    lines += [f"skipped {entry['op']} {_shape(entry['shape'])} {entry['dtype']}: "
+              f"{entry['reason']}" for entry in report["skipped"]]
+    return lines
+
+
+def format_table(report):
+    """The plain-text report printed at the end of a run."""
+    rows = table_rows(report)
+    widths = [max([len(column)] + [len(row[i]) for row in rows])
+              for i, column in enumerate(COLUMNS)]
+
+    def line(cells):
+        return "  ".join(cell.rjust(width) if column in RIGHT_ALIGNED else cell.ljust(width)
+                         for cell, width, column in zip(cells, widths, COLUMNS)).rstrip()
+
+    out = header_lines(report) + ["", line(COLUMNS), line(["-" * width for width in widths])]
+    for index, row in enumerate(rows):
+        if index > 0 and row[0]:  # the op cell is filled on a case's first row only
+            out.append("")
+        out.append(line(row))
+    out += [""] + [f"* {note}" for note in NOTES]
+    problems = problem_lines(report)
+    if problems:
+        out += ["", "not measured:"] + [f"  {problem}" for problem in problems]
+    return "\n".join(out) + "\n"
+
+
+def format_markdown(report):
+    """The same table in Markdown, with the machine and the command above it."""
+    rows = table_rows(report)
+    out = [f"- {line}" for line in header_lines(report)]
+    out += ["", "| " + " | ".join(COLUMNS) + " |",
+            "|" + "|".join("---:" if column in RIGHT_ALIGNED else "---" for column in COLUMNS)
+            + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    out += [""] + [f"- {note}" for note in NOTES]
+    problems = problem_lines(report)
+    if problems:
+        out += ["", "Not measured:", ""] + [f"- {problem}" for problem in problems]
+    return "\n".join(out) + "\n"
+
+
+def _json_default(value):
+    # NumPy scalars that slipped into the report.
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def write_json(report, path):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=_json_default)
+        f.write("\n")
+
+
+def write_markdown(report, path):
+    with open(path, "w") as f:
+        f.write(format_markdown(report))
+
+
+def write_plot(report, path):
+    """Bandwidth by shape for every implementation, one panel per (op, dtype, threads), with
+    the copy bandwidth as horizontal lines. Needs matplotlib (the `bench` extra)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    settings = report["settings"]
+    shapes = [_shape(shape) for shape in settings["shapes"]]
+    panels = [(op, dtype, threads) for op in settings["ops"] for dtype in settings["dtypes"]
+              for threads in settings["threads"]]
+    n_columns = len(settings["dtypes"]) * len(settings["threads"])
+    n_rows = len(settings["ops"])
+    figure = Figure(figsize=(4.2 * n_columns, 3.6 * n_rows + 0.8), layout="constrained")
+    axes = figure.subplots(n_rows, n_columns, squeeze=False, sharey=True)
+    for index, (op, dtype, threads) in enumerate(panels):
+        ax = axes.flat[index]
+        records = [record for record in report["results"]
+                   if record["op"] == op and record["dtype"] == dtype
+                   and record["threads"] == threads and record["status"] == "ok"]
+        for name in dict.fromkeys(record["implementation"] for record in records):
+            points = [(shapes.index(_shape(record["shape"])),
+                       record["bandwidth_bytes_per_second"] / 1e9)
+                      for record in records if record["implementation"] == name]
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
+                    color=IMPLEMENTATION_COLORS.get(name), linewidth=2 if name == "fastln" else 1)
+        for result in report["copy_bandwidth"]:
+            if result["threads"] == threads:
+                ordinary = result["stores"] == "ordinary"
+                ax.axhline(result["bytes_per_second"] / 1e9, color="black",
+                           linestyle="--" if ordinary else ":", linewidth=1,
+                           label="copy" if ordinary else "copy, non-temporal stores")
+        ax.set_title(f"{op}, {dtype}, {threads} thread{'s' if threads > 1 else ''}")
+        ax.set_xticks(range(len(shapes)), shapes, rotation=45, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        if index % n_columns == 0:
+            ax.set_ylabel("effective bandwidth (GB/s)")
+    legend = {}  # label -> handle, over every panel (onnxruntime has no backward panel line)
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    figure.legend(list(legend.values()), list(legend), loc="outside lower center",
+                  ncols=min(len(legend), 7))
+    described = report["machine"]
+    figure.suptitle(f"fastln bench: layer_norm on {described['cpu_model']} "
+                    f"({described['usable_cpus']} usable CPUs)")
+    figure.savefig(path, dpi=110)

@@ -1,0 +1,242 @@
+"""The benchmark itself: every case, every implementation, one process, interleaved.
+
+A case is one (operation, shape, dtype, thread count). The cases of one (operation, shape, dtype)
+are measured together, as one group: each threaded implementation once per thread count, NumPy
+(single-threaded) once for all counts. For each group the runner
+  1. prepares every contestant (buffers, sessions: untimed),
+  2. warms each one up with one call and checks its result against fastln's first rows,
+  3. calibrates how many calls make a sample of at least `min_sample_seconds`,
+  4. takes interleaved rounds of samples (fastln.bench.timing) and summarizes them,
+and reports time, effective bandwidth, the fraction of the machine's copy bandwidth at the same
+thread count and fastln's speed-up against every other implementation, paired round by round
+with fastln at the same thread count.
+"""
+import gc
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import numpy as np
+
+from fastln.bench import bandwidth, machine, peers, timing
+from fastln.bench.ops import OPERATIONS, compare_results
+from fastln.bench.ops.base import check_rows
+from fastln.bench.progress import Progress
+
+SCHEMA = "fastln-bench/1"
+
+# Never let one group take more than this fraction of the memory that is available at start.
+MEMORY_FRACTION = 0.6
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run depends on (what `fastln bench` builds from its options)."""
+
+    ops: Tuple[str, ...]
+    shapes: Tuple[Tuple[int, ...], ...]
+    dtypes: Tuple[str, ...]
+    threads: Tuple[int, ...]
+    peers: Tuple[str, ...]                    # selected and installed; fastln is implied
+    out_buffer: bool = False
+    schedule: timing.Schedule = field(default_factory=timing.Schedule)
+    copy_buffer_bytes: Optional[int] = None   # None: twice the last-level cache
+    copy_repeats: int = 5
+    seed: int = 0
+    progress: bool = True
+
+    def as_dict(self):
+        return {
+            "ops": list(self.ops),
+            "shapes": [list(shape) for shape in self.shapes],
+            "dtypes": list(self.dtypes),
+            "threads": list(self.threads),
+            "peers": list(self.peers),
+            "out_buffer": self.out_buffer,
+            "min_sample_seconds": self.schedule.min_sample_seconds,
+            "rounds": (self.schedule.fixed_rounds if self.schedule.fixed_rounds is not None
+                       else [self.schedule.min_rounds, self.schedule.max_rounds]),
+            "case_budget_seconds": self.schedule.case_budget_seconds,
+            "copy_buffer_bytes": self.copy_buffer_bytes,
+            "copy_repeats": self.copy_repeats,
+            "seed": self.seed,
+        }
+
+
+def shape_label(shape):
+    return "x".join(str(n) for n in shape)
+
+
+def _selected(operation, selected_peers):
+    return [implementation for implementation in operation.implementations
+            if implementation.peer == "fastln" or implementation.peer in selected_peers]
+
+
+def _contestants(operation, config):
+    """(implementation, threads) pairs to time, fastln at the first thread count first.
+
+    Single-threaded implementations get threads=None: measured once, reported at every count.
+    """
+    selected = _selected(operation, config.peers)
+    pairs = [(implementation, threads) for threads in config.threads
+             for implementation in selected if implementation.uses_threads]
+    pairs += [(implementation, None) for implementation in selected
+              if not implementation.uses_threads]
+    return pairs
+
+
+def _prepare_and_check(implementation, threads, inputs, dtype, config, reference):
+    """(prepared, calls per sample, seconds per call, fastln's result rows or None).
+
+    Raises for fastln (nothing can be compared without it); a failing or wrong peer comes back
+    as a status string in place of the first three values.
+    """
+    try:
+        prepared = implementation.prepare(inputs, threads or 1, config.out_buffer)
+        start = time.perf_counter()
+        result = prepared.call()
+        first_call_seconds = time.perf_counter() - start
+        arrays = prepared.result_arrays(result)
+        if implementation.peer == "fastln" and reference is None:
+            reference = tuple(check_rows(array) for array in arrays)
+        else:
+            mismatch = compare_results(arrays, reference, dtype)
+            if mismatch:
+                return f"mismatch: {mismatch}", None, None, reference
+        del result, arrays
+        if prepared.before_sample is not None:
+            prepared.before_sample()
+        n_calls, seconds_per_call = timing.calibrate(
+            prepared.call, first_call_seconds, config.schedule.min_sample_seconds)
+    except Exception as exc:
+        if implementation.peer == "fastln":
+            raise
+        return f"error: {type(exc).__name__}: {exc}", None, None, reference
+    return prepared, n_calls, seconds_per_call, reference
+
+
+def measure_group(operation, inputs, shape, dtype, config, copy_results):
+    """Records (dicts) for every selected implementation and thread count of one
+    (operation, shape, dtype), in table order: by thread count, then implementation."""
+    contestants = _contestants(operation, config)
+    prepared_calls, measured, failures = [], [], {}
+    reference, round_seconds = None, 0.0
+    for implementation, threads in contestants:
+        prepared, n_calls, seconds_per_call, reference = _prepare_and_check(
+            implementation, threads, inputs, dtype, config, reference)
+        if isinstance(prepared, str):
+            failures[(implementation.name, threads)] = prepared
+            continue
+        prepared_calls.append(prepared)
+        measured.append((implementation, threads, n_calls))
+        round_seconds += n_calls * seconds_per_call
+
+    # More contestants, more time: the budget is per thread count.
+    schedule = config.schedule
+    rounds = schedule.rounds_for(round_seconds / len(config.threads))
+    samples = timing.interleaved_samples(
+        [prepared.call for prepared in prepared_calls],
+        [n_calls for _, _, n_calls in measured], rounds,
+        before_sample=[prepared.before_sample for prepared in prepared_calls])
+    by_contestant = {(implementation.name, threads): (prepared, n_calls, contestant_samples)
+                     for (implementation, threads, n_calls), prepared, contestant_samples
+                     in zip(measured, prepared_calls, samples)}
+    del prepared_calls
+
+    bytes_moved = operation.bytes_moved(shape, np.dtype(dtype).itemsize)
+    records = []
+    for threads in config.threads:
+        copy_speed = bandwidth.copy_bandwidth_for(copy_results, threads)
+        fastln_samples = by_contestant[("fastln", threads)][2]
+        fastln_median = timing.summarize(fastln_samples)["median_s"]
+        for implementation in _selected(operation, config.peers):
+            key = (implementation.name, threads if implementation.uses_threads else None)
+            record = {"op": operation.name, "shape": list(shape), "dtype": np.dtype(dtype).name,
+                      "threads": threads, "implementation": implementation.name,
+                      "peer": implementation.peer, "status": failures.get(key, "ok")}
+            records.append(record)
+            if key not in by_contestant:
+                continue
+            prepared, n_calls, contestant_samples = by_contestant[key]
+            stats = timing.summarize(contestant_samples)
+            bandwidth_bytes = bytes_moved / stats["median_s"]
+            record.update(
+                output=prepared.output,
+                threads_used=prepared.threads,
+                # NumPy's samples are shared by every thread count of the group.
+                measured_once_for_all_threads=not implementation.uses_threads,
+                calls_per_sample=n_calls,
+                rounds=rounds,
+                samples_s=contestant_samples,
+                **stats,
+                bytes_moved=bytes_moved,
+                bandwidth_bytes_per_second=bandwidth_bytes,
+                fraction_of_copy_bandwidth=(bandwidth_bytes / copy_speed if copy_speed
+                                            else None),
+                # How many times faster fastln (same thread count) is than this implementation.
+                fastln_speedup=timing.paired_ratio(contestant_samples, fastln_samples),
+                fastln_speedup_of_medians=stats["median_s"] / fastln_median,
+            )
+    return records
+
+
+def _group_memory_bytes(operation, shape, dtype, config):
+    # Each extra thread count adds its own output buffers when --out-buffer is on.
+    factor = operation.memory_factor + (3 * (len(config.threads) - 1) if config.out_buffer else 0)
+    return factor * int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def run_benchmark(config, command_line=None, log=sys.stderr):
+    """Run every case of `config`; returns the report (a JSON-ready dict)."""
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    wall_start = time.perf_counter()
+    description = machine.describe_machine(peers.peer_versions(config.peers))
+
+    load = description["load_average"]
+    if load and load[0] > 0.5 * description["usable_cpus"]:
+        print(f"fastln bench: warning: load average {load[0]:.2f} on "
+              f"{description['usable_cpus']} CPUs: other processes are running, and "
+              "multi-threaded timings will wait for them", file=log, flush=True)
+
+    buffer_bytes = config.copy_buffer_bytes or bandwidth.copy_buffer_bytes(
+        description["last_level_cache_bytes"], description["memory_available_bytes"])
+    if config.progress:
+        print(f"measuring copy bandwidth (2 x {buffer_bytes / (1 << 20):.0f} MiB, threads "
+              f"{', '.join(map(str, config.threads))}) ...", file=log, flush=True)
+    copy_results = bandwidth.measure_copy_bandwidth(config.threads, buffer_bytes,
+                                                    repeats=config.copy_repeats)
+
+    memory_limit = (description["memory_available_bytes"] or float("inf")) * MEMORY_FRACTION
+    rng = np.random.default_rng(config.seed)
+    results, skipped = [], []
+    groups = [(OPERATIONS[name], shape, dtype) for name in config.ops
+              for shape in config.shapes for dtype in config.dtypes]
+    with Progress(len(groups), enabled=config.progress, stream=log) as progress:
+        for operation, shape, dtype in groups:
+            progress.set_description(f"{operation.name} {shape_label(shape)} {dtype}")
+            needed = _group_memory_bytes(operation, shape, dtype, config)
+            if needed > memory_limit:
+                skipped.append({
+                    "op": operation.name, "shape": list(shape), "dtype": dtype,
+                    "reason": f"needs about {needed / (1 << 30):.1f} GiB, more than "
+                              f"{MEMORY_FRACTION:.0%} of the available memory"})
+            else:
+                inputs = operation.make_inputs(shape, dtype, rng)
+                results.extend(measure_group(operation, inputs, shape, dtype, config,
+                                             copy_results))
+                del inputs
+                gc.collect()  # give the big arrays back before the next group
+            progress.update()
+
+    return {
+        "schema": SCHEMA,
+        "command": command_line,
+        "started_at": started_at,
+        "duration_seconds": time.perf_counter() - wall_start,
+        "settings": config.as_dict(),
+        "machine": description,
+        "copy_bandwidth": copy_results,
+        "results": results,
+        "skipped": skipped,
+    }

@@ -1,0 +1,98 @@
+"""How calls are timed: calibrated samples, interleaved rounds, medians with their spread.
+
+A sample is the mean time of `calls_per_sample` back-to-back calls, with that count chosen so a
+sample lasts at least `min_sample_seconds`: a 2 us call cannot be timed alone, a thousand of them
+can. Implementations are then measured in rounds, each round taking one sample of every
+implementation (A B C, then B C A, ...): a burst of noise on this shared machine hits every
+implementation of the round instead of one of them, and the per-round ratios to fastln pair
+samples taken moments apart.
+"""
+import gc
+import math
+import time
+from dataclasses import dataclass
+from typing import List
+
+import numpy as np
+
+
+@dataclass
+class Schedule:
+    """How long samples last and how many rounds a case gets."""
+
+    min_sample_seconds: float = 0.002
+    min_rounds: int = 5
+    max_rounds: int = 25
+    case_budget_seconds: float = 0.6   # rounds stop at max(min_rounds, budget / round time)
+    fixed_rounds: int = None           # --repeat: exactly this many rounds
+
+    def rounds_for(self, round_seconds):
+        if self.fixed_rounds is not None:
+            return self.fixed_rounds
+        affordable = int(self.case_budget_seconds / max(round_seconds, 1e-9))
+        return max(self.min_rounds, min(self.max_rounds, affordable))
+
+
+def time_calls(call, n_calls):
+    """Seconds per call, averaged over n_calls back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(n_calls):
+        call()
+    return (time.perf_counter() - start) / n_calls
+
+
+def calibrate(call, first_call_seconds, min_sample_seconds):
+    """(calls_per_sample, seconds per call) so that one sample lasts >= min_sample_seconds.
+
+    `first_call_seconds` is the warm-up call's time: a call that long already makes a sample.
+    Shorter calls are repeated 1, 2, 5, 10, 20, ... times until a batch lasts a tenth of a
+    sample (timeit's autorange), then scaled up.
+    """
+    if first_call_seconds >= min_sample_seconds:
+        return 1, first_call_seconds
+    n_calls = 1
+    while True:
+        seconds_per_call = time_calls(call, n_calls)
+        if seconds_per_call * n_calls >= min_sample_seconds / 10:
+            break
+        n_calls = n_calls * 5 // 2 if str(n_calls)[0] == "2" else n_calls * 2  # 1 2 5 10 20 50
+    return max(1, math.ceil(min_sample_seconds / max(seconds_per_call, 1e-9))), seconds_per_call
+
+
+def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None):
+    """samples[i][r]: seconds per call of calls[i] in round r; round r starts at call r % n.
+
+    before_sample[i], if not None, runs untimed before each sample of calls[i]. The garbage
+    collector is paused while timing, as timeit does: a collection would land on whichever
+    implementation happened to be running.
+    """
+    n = len(calls)
+    before_sample = before_sample or [None] * n
+    samples: List[List[float]] = [[] for _ in range(n)]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for round_index in range(rounds):
+            for offset in range(n):
+                i = (round_index + offset) % n
+                if before_sample[i] is not None:
+                    before_sample[i]()
+                samples[i].append(time_calls(calls[i], calls_per_sample[i]))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return samples
+
+
+def summarize(samples):
+    """Median, quartiles, min and max of a list of seconds."""
+    values = np.asarray(samples, dtype=np.float64)
+    q1, median, q3 = np.percentile(values, [25, 50, 75])
+    return {"median_s": float(median), "q1_s": float(q1), "q3_s": float(q3),
+            "min_s": float(values.min()), "max_s": float(values.max())}
+
+
+def paired_ratio(samples, reference_samples):
+    """Median over rounds of samples[r] / reference_samples[r] (same round, moments apart)."""
+    ratios = np.asarray(samples, dtype=np.float64) / np.asarray(reference_samples, np.float64)
+    return float(np.median(ratios))

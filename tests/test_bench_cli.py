@@ -1,0 +1,214 @@
+"""`fastln` and `fastln bench` with tiny configurations: columns, JSON schema, files, errors.
+
+No timing is asserted (the numbers belong to the machine); the runs are small enough to take a
+second or two.
+"""
+import contextlib
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fastln import cli
+from fastln.bench import command, peers, report
+from fastln.bench.ops import OPERATIONS
+
+TINY = ["bench", "--shapes", "4x32,16x64", "--dtypes", "float32", "--threads", "1",
+        "--peers", "numpy", "--repeat", "2", "--min-sample-ms", "0.2",
+        "--copy-buffer-mib", "4", "--no-progress"]
+IMPLEMENTATIONS = {"forward": ["fastln", "numpy-naive", "numpy-inplace"],
+                   "backward": ["fastln", "numpy-naive", "numpy-inplace"]}
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run_main(argv):
+    """cli.main in-process: (exit status, stdout, stderr)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = cli.main(argv)
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bench")
+    paths = {"json": directory / "bench.json", "markdown": directory / "bench.md",
+             "plot": directory / "bench.png"}
+    argv = TINY + ["--json", str(paths["json"]), "--markdown", str(paths["markdown"])]
+    if HAVE_MATPLOTLIB:
+        argv += ["--plot", str(paths["plot"])]
+    status, stdout, stderr = run_main(argv)
+    return {"status": status, "stdout": stdout, "stderr": stderr, "paths": paths,
+            "json": json.loads(paths["json"].read_text())}
+
+
+def test_bench_exits_zero_and_prints_a_table_with_every_column(tiny_run):
+    assert tiny_run["status"] == 0
+    lines = tiny_run["stdout"].splitlines()
+    header = next(line for line in lines if line.startswith("op "))
+    positions = [header.index(column) for column in report.COLUMNS]
+    assert positions == sorted(positions)
+    table = "\n".join(lines)
+    for op, names in IMPLEMENTATIONS.items():
+        assert op in table
+        for name in names:
+            assert name in table
+    assert "copy bandwidth" in table and "machine:" in table
+
+
+def test_bench_json_schema(tiny_run):
+    data = tiny_run["json"]
+    assert data["schema"] == "fastln-bench/1"
+    assert data["command"].startswith("fastln bench --shapes 4x32,16x64")
+    assert data["duration_seconds"] > 0
+    assert data["settings"]["shapes"] == [[4, 32], [16, 64]]
+    assert data["settings"]["threads"] == [1]
+    assert data["settings"]["peers"] == ["numpy"]
+
+    described = data["machine"]
+    for key in ("cpu_model", "logical_cpus", "usable_cpus", "instruction_sets", "caches",
+                "last_level_cache_bytes", "memory_total_bytes", "python", "numpy", "peers",
+                "load_average"):
+        assert key in described
+    assert described["usable_cpus"] >= 1
+    for key in ("fastln", "numpy", "python", "openmp", "default_num_threads", "compile_args"):
+        assert key in described["fastln"]
+
+    assert data["copy_bandwidth"]
+    for copy in data["copy_bandwidth"]:
+        assert copy["threads"] == 1
+        assert copy["stores"] in ("ordinary", "nontemporal")
+        assert copy["bytes_per_second"] > 0
+        assert copy["buffer_bytes"] == 4 << 20
+        assert len(copy["samples_s"]) == 5
+
+    results = data["results"]
+    assert len(results) == 2 * 2 * 3  # ops x shapes x implementations
+    assert not data["skipped"]
+    for record in results:
+        assert record["status"] == "ok", record
+        assert record["op"] in OPERATIONS
+        assert record["implementation"] in IMPLEMENTATIONS[record["op"]]
+        assert record["dtype"] == "float32" and record["threads"] == 1
+        assert len(record["samples_s"]) == record["rounds"] == 2
+        assert record["calls_per_sample"] >= 1
+        assert record["q1_s"] <= record["median_s"] <= record["q3_s"]
+        assert record["min_s"] <= record["median_s"] <= record["max_s"]
+        n_elements = record["shape"][0] * record["shape"][1]
+        factor = 2 if record["op"] == "forward" else 3
+        assert record["bytes_moved"] == factor * n_elements * 4
+        assert record["bandwidth_bytes_per_second"] == pytest.approx(
+            record["bytes_moved"] / record["median_s"])
+        assert record["fraction_of_copy_bandwidth"] > 0
+        assert record["fastln_speedup"] > 0
+        if record["implementation"] == "fastln":
+            assert record["fastln_speedup"] == 1.0
+        assert record["output"] == "new"
+
+
+def test_bench_markdown_has_the_table(tiny_run):
+    text = tiny_run["paths"]["markdown"].read_text()
+    assert text.startswith("- machine: ")
+    assert "| " + " | ".join(report.COLUMNS) + " |" in text
+    table_rows = [line for line in text.splitlines()
+                  if line.startswith("| ") and not line.startswith("| op |")]
+    assert len(table_rows) == 12
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_bench_plot_is_written(tiny_run):
+    data = tiny_run["paths"]["plot"].read_bytes()
+    assert data.startswith(b"\x89PNG")
+
+
+def test_out_buffer_marks_which_outputs_are_reused(tmp_path):
+    argv = [arg if arg != "4x32,16x64" else "8x32" for arg in TINY]
+    path = tmp_path / "out_buffer.json"
+    status, stdout, _ = run_main(argv + ["--ops", "forward", "--out-buffer", "--json", str(path)])
+    assert status == 0
+    outputs = {record["implementation"]: record["output"]
+               for record in json.loads(path.read_text())["results"]}
+    assert outputs == {"fastln": "reused", "numpy-inplace": "reused",
+                       "numpy-naive": "new (no out=)"}
+    assert "new (no out=)" in stdout
+
+
+def test_numpy_is_timed_once_and_shown_at_every_thread_count(tmp_path):
+    argv = [arg if arg != "4x32,16x64" else "8x32" for arg in TINY]
+    argv[argv.index("--threads") + 1] = "1,2"
+    path = tmp_path / "threads.json"
+    status, _, _ = run_main(argv + ["--ops", "backward", "--json", str(path)])
+    assert status == 0
+    results = json.loads(path.read_text())["results"]
+    assert [(r["threads"], r["implementation"]) for r in results] == [
+        (threads, name) for threads in (1, 2) for name in IMPLEMENTATIONS["backward"]]
+    by_key = {(r["threads"], r["implementation"]): r for r in results}
+    for name in ("numpy-naive", "numpy-inplace"):
+        assert by_key[(1, name)]["samples_s"] == by_key[(2, name)]["samples_s"]
+        assert by_key[(1, name)]["measured_once_for_all_threads"]
+        assert by_key[(2, name)]["threads_used"] == 1
+    assert by_key[(2, "fastln")]["threads_used"] == 2
+    assert not by_key[(2, "fastln")]["measured_once_for_all_threads"]
+
+
+@pytest.mark.parametrize("shapes", ["4096by768", "4096x", "0x768", "x768", "1.5x768", ""])
+def test_malformed_shapes_exit_2_naming_the_option(shapes, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["bench", "--shapes", shapes])
+    assert excinfo.value.code == 2
+    assert "--shapes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value", [("--ops", "sideways"), ("--dtypes", "float16"),
+                                           ("--threads", "0"), ("--threads", "two"),
+                                           ("--peers", "tensorflow"), ("--repeat", "0")])
+def test_bad_options_exit_2_naming_the_option(option, value, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["bench", option, value])
+    assert excinfo.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_missing_peer_is_skipped_with_a_warning(monkeypatch, capsys):
+    monkeypatch.setattr(peers, "is_installed", lambda peer: peer == "numpy")
+    args = cli.build_parser().parse_args(["bench", "--peers", "numpy,torch"])
+    config = command.build_config(args)
+    assert config.peers == ("numpy",)
+    assert "--peers torch: not installed" in capsys.readouterr().err
+
+
+def test_defaults_and_quick():
+    parser = cli.build_parser()
+    default = command.build_config(parser.parse_args(["bench"]))
+    assert default.shapes == command.STANDARD_SHAPES
+    assert default.ops == ("forward", "backward")
+    assert default.dtypes == ("float32", "float64")
+    assert default.threads[0] == 1
+    quick = command.build_config(parser.parse_args(["bench", "--quick"]))
+    assert quick.shapes == command.QUICK_SHAPES and len(quick.threads) == 1
+
+
+def test_fastln_alone_describes_the_build_and_the_worked_example():
+    status, stdout, _ = run_main([])
+    assert status == 0
+    assert "OpenMP" in stdout
+    assert "fastln.layer_norm(x) = [-0.9258 -0.4629 1.3887]" in stdout
+    assert "fastln bench" in stdout
+
+
+def test_python_m_fastln_runs_numpy_only_without_importing_peers():
+    # A subprocess: the peers must not be imported when they are not selected.
+    code = ("import sys; from fastln.cli import main; "
+            f"status = main({TINY + ['--ops', 'forward']!r}); "
+            "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules; "
+            "sys.exit(status)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "numpy-inplace" in result.stdout
+    help_text = subprocess.run([sys.executable, "-m", "fastln", "bench", "--help"],
+                               capture_output=True, text=True, timeout=120)
+    assert help_text.returncode == 0 and "--shapes" in help_text.stdout
