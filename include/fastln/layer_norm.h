@@ -31,6 +31,10 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * FASTLN_ROWS_PER_FLUSH rows), float64 rows accumulate in double directly. */
 #define FASTLN_ROWS_PER_FLUSH 16
 
+/* The one-pass variance sum(d * d) / n - mean(d)^2 is recomputed around the mean when the two
+ * terms cancel by more than this factor (about 10 bits of the 53). */
+#define FASTLN_MAX_CANCELLATION 1024.0
+
 #define FASTLN_T float
 #define FASTLN_ACC_T float
 #define FASTLN_NAME(name) name##_f32

@@ -17,6 +17,22 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_accumulate)(
     }
 }
 
+/* sum(d) and sum(d * d) over a row, d = x - shift, for a shift that is a value of the element
+ * type. The last partial block is padded with the shift itself, which adds exactly d = 0. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_sums)(
+    const FASTLN_T *x, int64_t n_cols, double shift, fastln_d8 sum[FASTLN_ACCUMULATORS],
+    fastln_d8 sumsq[FASTLN_ACCUMULATORS])
+{
+    int64_t i = 0;
+    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
+        FASTLN_NAME(fastln_ln_accumulate)(x + i, shift, sum, sumsq);
+    if (i < n_cols) {
+        FASTLN_T padded[FASTLN_BLOCK];
+        for (int k = 0; k < FASTLN_BLOCK; k++) padded[k] = i + k < n_cols ? x[i + k] : (FASTLN_T)shift;
+        FASTLN_NAME(fastln_ln_accumulate)(padded, shift, sum, sumsq);
+    }
+}
+
 /* y = gamma * x_hat + beta for eight elements; gamma and beta may be NULL. */
 FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_output8)(
     const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *beta, double shift,
@@ -72,16 +88,20 @@ static void FASTLN_NAME(fastln_layer_norm_forward_row)(
     const double shift = (double)x[0];
     fastln_d8 sum[FASTLN_ACCUMULATORS] = {{0}};
     fastln_d8 sumsq[FASTLN_ACCUMULATORS] = {{0}};
-    int64_t i = 0;
-    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
-        FASTLN_NAME(fastln_ln_accumulate)(x + i, shift, sum, sumsq);
-    if (i < n_cols) {
-        FASTLN_T padded[FASTLN_BLOCK];
-        for (int k = 0; k < FASTLN_BLOCK; k++) padded[k] = i + k < n_cols ? x[i + k] : x[0];
-        FASTLN_NAME(fastln_ln_accumulate)(padded, shift, sum, sumsq);
-    }
+    FASTLN_NAME(fastln_ln_sums)(x, n_cols, shift, sum, sumsq);
     const double mean_shifted = fastln_reduce(sum) / (double)n_cols;
     double var = fastln_reduce(sumsq) / (double)n_cols - mean_shifted * mean_shifted;
+    if (mean_shifted * mean_shifted > FASTLN_MAX_CANCELLATION * var) {
+        /* The shift was far from the mean (an outlier in x[0]): sum(d * d) and mean(d)^2 cancel
+         * by more than ~10 bits. Rare; take the variance again around the mean, in cache. */
+        fastln_d8 sum2[FASTLN_ACCUMULATORS] = {{0}};
+        fastln_d8 sumsq2[FASTLN_ACCUMULATORS] = {{0}};
+        /* The new shift is rounded to the element type so the padding adds exactly zero. */
+        FASTLN_NAME(fastln_ln_sums)(x, n_cols, (double)(FASTLN_T)(shift + mean_shifted), sum2,
+                                    sumsq2);
+        const double mean_residual = fastln_reduce(sum2) / (double)n_cols;
+        var = fastln_reduce(sumsq2) / (double)n_cols - mean_residual * mean_residual;
+    }
     if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
     const double rstd = 1.0 / sqrt(var + eps);
     *mean_out = shift + mean_shifted;
