@@ -32,8 +32,9 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
 #define FASTLN_ROWS_PER_FLUSH 16
 
 /* The one-pass variance sum(d * d) / n - mean(d)^2 is recomputed around the mean when the two
- * terms cancel by more than this factor (about 10 bits of the 53). */
-#define FASTLN_MAX_CANCELLATION 1024.0
+ * terms cancel by more than this factor (4 bits): a row whose first element lies more than four
+ * standard deviations from its mean. */
+#define FASTLN_MAX_CANCELLATION 16.0
 
 #define FASTLN_T float
 #define FASTLN_ACC_T float
