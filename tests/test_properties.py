@@ -187,10 +187,12 @@ def test_scale_and_shift_invariance(x, a, b, dtype):
     y2 = fastln.layer_norm(x2, eps=0.0)
     # x2 is a*x + b rounded to dtype: a relative error of u = unit roundoff in each element,
     # i.e. up to u * (|a x| + |b|) absolute, which moves x_hat by that over the row's std(a x).
-    # On top of that each y carries its own few-ulp error (relative to the row's largest |y|).
+    # On top of that each y carries its own rounding error, relative to the row's largest |y|:
+    # the one-pass variance may cancel by up to 16x before the kernel takes it again around the
+    # mean (~16 u on var, ~8 u on x_hat), for each of the two calls.
     u = np.finfo(dtype).eps
     input_error = 4 * u * (np.max(np.abs(a * x.astype(np.float64)), axis=1) + abs(b)) / (a * std)
-    output_error = 8 * u * np.max(np.abs(y1.astype(np.float64)), axis=1)
+    output_error = 32 * u * np.max(np.abs(y1.astype(np.float64)), axis=1)
     err = np.max(np.abs(y1.astype(np.float64) - y2.astype(np.float64)), axis=1)
     assert np.all(err <= input_error + output_error), (err, input_error, output_error)
 
