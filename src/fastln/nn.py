@@ -1,0 +1,548 @@
+"""Normalization layers for models written in NumPy: ``LayerNorm``, ``RMSNorm``, ``BatchNorm``.
+
+Each layer owns its parameters as NumPy arrays, named as in PyTorch (``weight`` is the lessons'
+gamma, ``bias`` their beta), so the ``state_dict`` of the matching ``torch.nn`` layer loads
+unchanged and ours loads into torch after ``torch.from_numpy``::
+
+    import numpy as np
+    import fastln.nn
+
+    norm = fastln.nn.LayerNorm(64)
+    y = norm(x)                      # forward; keeps what the backward needs
+    dx = norm.backward(dy)           # returns dx; adds to norm.weight_grad and norm.bias_grad
+    for param, grad in zip(norm.parameters(), norm.grads()):
+        param -= 0.1 * grad          # parameters() are the live arrays
+    norm.zero_grad()
+
+    norm.load_state_dict(torch_layer.state_dict())                       # torch -> fastln
+    torch_layer.load_state_dict({k: torch.from_numpy(v)
+                                 for k, v in norm.state_dict().items()})  # fastln -> torch
+
+Conventions shared by the three layers:
+
+- **One dtype per layer** (``dtype=np.float32`` by default). Parameters, buffers and gradients
+  have it, and inputs are converted to it (no copy when they already have it), as Keras converts
+  inputs to a layer's compute dtype: ``np.random.randn`` gives float64, and feeding it to a
+  float32 model should not silently turn the whole model into float64.
+- **One forward, one backward.** ``forward`` keeps the cache of its most recent call (it refers
+  to the input without copying it: do not modify x in place before the backward); ``backward``
+  uses it once. A backward without a forward, or a second backward for the same forward, raises
+  ``RuntimeError``. A layer used at two places in a model needs two instances.
+- **Gradients accumulate** into ``weight_grad`` / ``bias_grad`` (zeros at construction) until
+  ``zero_grad()``, which zeroes them in place, like PyTorch's ``.grad``.
+- ``train()`` / ``eval()`` set ``training``. Only BatchNorm behaves differently (batch statistics
+  while training, running statistics in evaluation); LayerNorm and RMSNorm compute exactly the
+  same thing in both modes, as the lessons stress.
+- ``state_dict()`` returns copies; ``load_state_dict()`` checks every key, shape and dtype before
+  changing anything and then writes into the existing arrays, so references an optimizer holds
+  stay valid. ``save(path)`` / ``load(path)`` store and read the state dict as ``.npz``.
+"""
+import numbers
+import operator
+import os
+from collections import namedtuple
+
+import numpy as np
+
+import fastln
+from fastln._batch_norm import check_momentum, update_running
+from fastln._validation import as_array, check_eps, resolve_num_threads
+
+__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+IncompatibleKeys.__doc__ = "What load_state_dict(strict=False) skipped, as in PyTorch."
+
+
+def _layer_dtype(dtype):
+    if dtype is None:  # as torch's dtype=None: the default, float32 (np.dtype(None) is float64)
+        return _FLOAT_DTYPES[0]
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if resolved not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32 or float64, got {resolved.name}")
+    return resolved
+
+
+def _normalized_shape(normalized_shape):
+    """An int or a sequence of ints, each >= 1, as a non-empty tuple."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = (normalized_shape,)
+    try:
+        shape = tuple(operator.index(size) for size in normalized_shape)
+    except TypeError:
+        raise TypeError(f"normalized_shape must be an int or a tuple of ints, got "
+                        f"{normalized_shape!r}") from None
+    if not shape or any(size < 1 for size in shape):
+        raise ValueError(f"normalized_shape must be a non-empty tuple of positive ints, got "
+                         f"{normalized_shape!r}")
+    return shape
+
+
+def _check_bool(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _as_numpy(value, key):
+    """A state-dict entry as an ndarray: NumPy arrays, PyTorch tensors, anything array-like."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch.Tensor, without torch
+        try:
+            value = value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise TypeError(f"state_dict[{key!r}]: cannot convert the tensor to NumPy: "
+                            f"{exc}") from None
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"state_dict[{key!r}] must be array-like, got "
+                        f"{type(value).__name__}: {exc}") from None
+    return array
+
+
+class _Layer:
+    """What the three layers share: modes, parameters, gradients, state dicts, files.
+
+    A subclass sets ``_param_names`` (attributes holding parameters or None) and
+    ``_buffer_names`` (non-trained state that is saved, such as running statistics), and
+    implements ``_check_input_shape(shape)``, ``_forward(x) -> (y, cache)`` and
+    ``_backward(dy, cache) -> (dx, grads)`` with ``grads`` a dict from parameter name to its
+    gradient.
+    """
+
+    _param_names = ("weight", "bias")
+    _buffer_names = ()
+
+    def __init__(self, dtype, num_threads):
+        self.dtype = _layer_dtype(dtype)
+        if num_threads is not None:
+            resolve_num_threads(num_threads)  # ValueError naming it
+        self.num_threads = num_threads
+        self.training = True
+        self._cache = None
+        self._cache_used = False
+
+    # -- modes -------------------------------------------------------------------------------
+
+    def train(self, mode=True):
+        """Training mode (or evaluation mode for ``mode=False``); returns the layer."""
+        self.training = _check_bool(mode, "mode")
+        return self
+
+    def eval(self):
+        """Evaluation mode, the same as ``train(False)``; returns the layer."""
+        return self.train(False)
+
+    # -- forward and backward ----------------------------------------------------------------
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def forward(self, x):
+        """y for input x; keeps the cache for one :meth:`backward`."""
+        x = self._as_input(x, "x")
+        self._check_input_shape(x.shape)
+        y, cache = self._forward(x)
+        self._cache, self._cache_used = cache, False
+        return y
+
+    def backward(self, dy):
+        """dx for the gradient dy of the most recent forward's output.
+
+        Adds the parameters' gradients to ``weight_grad`` / ``bias_grad``. Raises RuntimeError
+        without a forward, or when this forward's backward has already run.
+        """
+        name = type(self).__name__
+        if self._cache is None:
+            if self._cache_used:
+                raise RuntimeError(
+                    f"{name}.backward() was already called for the last forward: each forward "
+                    "allows one backward (a second would add the parameter gradients twice); "
+                    "run the forward again first")
+            raise RuntimeError(f"{name}.backward() called before any forward: call the layer "
+                               "on an input first, then backward with the gradient of its output")
+        cache = self._cache
+        dy = self._as_input(dy, "dy")
+        if dy.shape != cache.shape:
+            raise ValueError(f"dy has shape {dy.shape}, but the last forward's output has shape "
+                             f"{cache.shape}")
+        dx, grads = self._backward(dy, cache)
+        for param_name, grad in grads.items():
+            getattr(self, param_name + "_grad")[...] += grad
+        # The cache is used: drop it (it holds the input alive) and remember why it is gone.
+        self._cache, self._cache_used = None, True
+        return dx
+
+    def _as_input(self, array, name):
+        """array (x or dy) in the layer's dtype; no copy when it has it already."""
+        array = as_array(array, name)
+        if array.dtype.kind not in "biuf":
+            raise TypeError(f"{name} has dtype {array.dtype}; expected a real floating, integer "
+                            f"or bool array (it is converted to the layer's {self.dtype.name})")
+        if array.dtype != self.dtype:
+            array = array.astype(self.dtype)
+        return array
+
+    # -- parameters and gradients ------------------------------------------------------------
+
+    def named_parameters(self):
+        """{name: parameter}: the live arrays (update them in place)."""
+        return {name: getattr(self, name) for name in self._param_names
+                if getattr(self, name) is not None}
+
+    def parameters(self):
+        """The parameters as a list of live arrays (update them in place)."""
+        return list(self.named_parameters().values())
+
+    def grads(self):
+        """The accumulated gradients, in the order of :meth:`parameters`."""
+        return [getattr(self, name + "_grad") for name in self.named_parameters()]
+
+    def zero_grad(self):
+        """Set every accumulated gradient to zero, in place."""
+        for grad in self.grads():
+            grad[...] = 0
+
+    def _make_param(self, size_or_shape, fill):
+        shape = (size_or_shape,) if isinstance(size_or_shape, int) else size_or_shape
+        return np.full(shape, fill, self.dtype), np.zeros(shape, self.dtype)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _state_names(self):
+        return list(self.named_parameters()) + list(self._buffer_names)
+
+    def state_dict(self):
+        """{name: copy of the array}: parameters, then buffers, in PyTorch's order and names."""
+        return {name: np.array(getattr(self, name), copy=True) for name in self._state_names()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Load parameters and buffers from a dict of arrays (or of PyTorch tensors).
+
+        Every value must have exactly the shape of the layer's array and a dtype that converts
+        to it without loss (``np.can_cast(..., 'safe')``: a float64 array does not load into a
+        float32 layer; build the layer with ``dtype=np.float64`` or convert the array). All
+        checks run before anything changes; then values are copied into the existing arrays.
+
+        With ``strict=True`` (the default) the keys must be exactly those of
+        :meth:`state_dict`; with ``strict=False`` missing and unexpected keys are skipped and
+        returned as ``(missing_keys, unexpected_keys)``.
+        """
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise TypeError(f"state_dict must be a mapping of names to arrays, got "
+                            f"{type(state_dict).__name__}")
+        expected = self._state_names()
+        missing = [key for key in expected if key not in state_dict]
+        unexpected = [key for key in state_dict.keys() if key not in expected]
+        if strict and (missing or unexpected):
+            problems = []
+            if missing:
+                problems.append(f"missing key(s) {', '.join(map(repr, missing))}")
+            if unexpected:
+                problems.append(f"unexpected key(s) {', '.join(map(repr, unexpected))}")
+            raise KeyError(f"{type(self).__name__}.load_state_dict: {'; '.join(problems)} "
+                           f"(expected exactly {', '.join(map(repr, expected))}; pass "
+                           "strict=False to load the keys that match)")
+        converted = {}
+        for key in expected:
+            if key in state_dict:
+                converted[key] = self._check_state_value(key, _as_numpy(state_dict[key], key))
+        for key, value in converted.items():
+            self._assign_state(key, value)
+        return IncompatibleKeys(missing, unexpected)
+
+    def _check_state_value(self, key, value):
+        target = np.asarray(getattr(self, key))
+        if value.shape != target.shape:
+            raise ValueError(f"state_dict[{key!r}] has shape {value.shape}, but "
+                             f"{type(self).__name__}.{key} has shape {target.shape}")
+        if value.dtype.kind not in "biuf" or not np.can_cast(value.dtype, target.dtype, "safe"):
+            raise TypeError(f"state_dict[{key!r}] has dtype {value.dtype}, which does not "
+                            f"convert to {type(self).__name__}.{key}'s {target.dtype} without "
+                            f"loss (build the layer with a matching dtype= or convert the "
+                            "array first)")
+        return value
+
+    def _assign_state(self, key, value):
+        getattr(self, key)[...] = value
+
+    def save(self, path):
+        """Write :meth:`state_dict` to ``path`` as ``.npz`` (NumPy appends ``.npz`` if absent)."""
+        np.savez(path, **self.state_dict())
+
+    def load(self, path):
+        """Load a ``.npz`` written by :meth:`save` (strictly, as :meth:`load_state_dict`).
+
+        ``path`` may omit the ``.npz`` that :meth:`save` added. Returns the layer.
+        """
+        if (isinstance(path, (str, os.PathLike)) and not os.path.exists(path)
+                and os.path.exists(os.fspath(path) + ".npz")):
+            path = os.fspath(path) + ".npz"
+        with np.load(path, allow_pickle=False) as archive:
+            self.load_state_dict({key: archive[key] for key in archive.files})
+        return self
+
+
+class _TrailingNorm(_Layer):
+    """LayerNorm and RMSNorm: statistics over the trailing ``normalized_shape`` axes."""
+
+    def __init__(self, normalized_shape, eps, elementwise_affine, bias, dtype, num_threads):
+        super().__init__(dtype, num_threads)
+        self.normalized_shape = _normalized_shape(normalized_shape)
+        self.axis = -len(self.normalized_shape)
+        self.eps = check_eps(eps)
+        self.elementwise_affine = _check_bool(elementwise_affine, "elementwise_affine")
+        self.weight = self.weight_grad = None
+        if self.elementwise_affine:
+            self.weight, self.weight_grad = self._make_param(self.normalized_shape, 1)
+        if "bias" in self._param_names:
+            self.bias = self.bias_grad = None
+            if _check_bool(bias, "bias") and self.elementwise_affine:
+                self.bias, self.bias_grad = self._make_param(self.normalized_shape, 0)
+
+    def _check_input_shape(self, shape):
+        size = len(self.normalized_shape)
+        if len(shape) < size or tuple(shape[-size:]) != self.normalized_shape:
+            expected = ", ".join(["..."] + [str(n) for n in self.normalized_shape])
+            raise ValueError(f"{type(self).__name__} with normalized_shape="
+                             f"{self.normalized_shape} expects x of shape ({expected}), got "
+                             f"shape {tuple(shape)}")
+
+
+class LayerNorm(_TrailingNorm):
+    """Layer normalization over the trailing ``normalized_shape`` axes, as ``torch.nn.LayerNorm``.
+
+    ``y = weight * (x - mean) / sqrt(var + eps) + bias`` with the mean and the (biased)
+    variance of each sample over its last ``len(normalized_shape)`` axes, computed by
+    :func:`fastln.layer_norm_forward` / :func:`fastln.layer_norm_backward`. The same in
+    training and evaluation mode.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+        The trailing shape of the inputs; ``axis = -len(normalized_shape)``.
+    eps : float, default 1e-5
+    elementwise_affine : bool, default True
+        Learn ``weight`` (ones at first); False leaves ``weight`` None (a scale of 1).
+    bias : bool, default True
+        Learn ``bias`` (zeros at first) when elementwise_affine; otherwise ``bias`` is None.
+    dtype : float32 or float64, default float32
+    num_threads : int, optional
+        OpenMP threads for the kernels (None: OpenMP's default).
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 dtype=np.float32, *, num_threads=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, dtype, num_threads)
+
+    def _forward(self, x):
+        return fastln.layer_norm_forward(x, self.weight, self.bias, self.eps, axis=self.axis,
+                                         num_threads=self.num_threads)
+
+    def _backward(self, dy, cache):
+        dx, dweight, dbias = fastln.layer_norm_backward(dy, cache, self.weight,
+                                                        num_threads=self.num_threads)
+        grads = {}
+        if self.weight is not None:
+            grads["weight"] = dweight
+        if self.bias is not None:
+            grads["bias"] = dbias
+        return dx, grads
+
+    def __repr__(self):
+        return (f"LayerNorm({self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}, "
+                f"dtype={self.dtype.name})")
+
+
+class RMSNorm(_TrailingNorm):
+    """RMS normalization over the trailing ``normalized_shape`` axes, as ``torch.nn.RMSNorm``.
+
+    ``y = weight * x / sqrt(mean(x**2) + eps)`` per sample: no mean subtraction and no bias
+    (the state dict holds ``weight`` only), computed by :func:`fastln.rms_norm_forward` /
+    :func:`fastln.rms_norm_backward`. The same in training and evaluation mode.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple of int
+    eps : float or None, default 1e-5
+        None means ``np.finfo(dtype).eps``, which is what ``torch.nn.RMSNorm``'s default
+        ``eps=None`` uses; pass None to match a torch layer built without eps.
+    elementwise_affine : bool, default True
+    dtype : float32 or float64, default float32
+    num_threads : int, optional
+    """
+
+    _param_names = ("weight",)
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, dtype=np.float32,
+                 *, num_threads=None):
+        if eps is None:
+            eps = float(np.finfo(_layer_dtype(dtype)).eps)
+        super().__init__(normalized_shape, eps, elementwise_affine, False, dtype, num_threads)
+
+    def _forward(self, x):
+        return fastln.rms_norm_forward(x, self.weight, self.eps, axis=self.axis,
+                                       num_threads=self.num_threads)
+
+    def _backward(self, dy, cache):
+        dx, dweight = fastln.rms_norm_backward(dy, cache, self.weight,
+                                               num_threads=self.num_threads)
+        return dx, ({"weight": dweight} if self.weight is not None else {})
+
+    def __repr__(self):
+        return (f"RMSNorm({self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, dtype={self.dtype.name})")
+
+
+class BatchNorm(_Layer):
+    """Batch normalization of the features along ``axis``, as ``torch.nn.BatchNorm1d``.
+
+    In training mode each feature is normalized with the mean and (biased) variance of its
+    values in the batch (over every axis but ``axis``), and the running statistics follow them::
+
+        running_mean = momentum * running_mean + (1 - momentum) * batch_mean
+        running_var  = momentum * running_var  + (1 - momentum) * batch_var
+
+    In evaluation mode the running statistics are used instead and never change. This is
+    :func:`fastln.batch_norm_forward` / :func:`fastln.batch_norm_backward`.
+
+    **Against PyTorch.** The state dict has torch's keys: ``weight``, ``bias``,
+    ``running_mean``, ``running_var``, ``num_batches_tracked`` (a 0-d int64 count of training
+    batches). Two conventions differ, and the defaults follow the lesson:
+
+    - ``momentum`` is the weight of the OLD running value (the lesson's alpha, Keras'
+      momentum); torch's weighs the new batch. ``torch_momentum = 1 - momentum``, so the
+      defaults agree (0.9 here, 0.1 in torch). ``momentum=None`` is torch's cumulative average
+      (the new batch weighs ``1 / num_batches_tracked``).
+    - The running variance takes the batch's biased variance (divide by m, as the lesson
+      writes it and Keras does); torch's takes the unbiased one (divide by m - 1).
+      ``unbiased_running_var=True`` follows torch, so that the running statistics of a layer
+      trained here and a torch layer trained on the same batches agree; a batch with one value
+      per feature then raises, as in torch. The normalization itself always uses the biased
+      variance, in both libraries.
+
+    Parameters
+    ----------
+    num_features : int
+        ``x.shape[axis]``.
+    eps : float, default 1e-5
+    momentum : float in [0, 1] or None, default 0.9
+    axis : int, default -1
+        The feature axis: -1 for (N, C) activations; 1 for torch's (N, C, L) layout.
+    affine : bool, default True
+        Learn ``weight`` (ones) and ``bias`` (zeros); False leaves both None.
+    track_running_stats : bool, default True
+        Keep running statistics. False keeps none: batch statistics are then used in both
+        modes, as in torch.
+    unbiased_running_var : bool, default False
+        See above.
+    dtype : float32 or float64, default float32
+        Also the dtype of the running statistics (updated in float64, stored in this dtype).
+    num_threads : int, optional
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.9, axis=-1, affine=True,
+                 track_running_stats=True, dtype=np.float32, *, unbiased_running_var=False,
+                 num_threads=None):
+        super().__init__(dtype, num_threads)
+        if (isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral)
+                or num_features < 1):
+            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+        self.num_features = int(num_features)
+        self.eps = check_eps(eps)
+        if momentum is not None:
+            momentum = check_momentum(momentum)
+        self.momentum = momentum
+        try:
+            self.axis = operator.index(axis)
+        except TypeError:
+            raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+        self.affine = _check_bool(affine, "affine")
+        self.track_running_stats = _check_bool(track_running_stats, "track_running_stats")
+        self.unbiased_running_var = _check_bool(unbiased_running_var, "unbiased_running_var")
+        self.weight = self.weight_grad = self.bias = self.bias_grad = None
+        if self.affine:
+            self.weight, self.weight_grad = self._make_param(self.num_features, 1)
+            self.bias, self.bias_grad = self._make_param(self.num_features, 0)
+        self.running_mean = self.running_var = self.num_batches_tracked = None
+        if self.track_running_stats:
+            self._buffer_names = ("running_mean", "running_var", "num_batches_tracked")
+            self.running_mean = np.zeros(self.num_features, self.dtype)
+            self.running_var = np.ones(self.num_features, self.dtype)
+            self.num_batches_tracked = np.zeros((), np.int64)
+
+    def reset_running_stats(self):
+        """Running mean 0, running variance 1, no batches tracked."""
+        if self.track_running_stats:
+            self.running_mean[...] = 0
+            self.running_var[...] = 1
+            self.num_batches_tracked[...] = 0
+
+    def _check_input_shape(self, shape):
+        ndim = len(shape)
+        if not -ndim <= self.axis < ndim:
+            raise ValueError(f"BatchNorm with axis={self.axis} needs x with at least "
+                             f"{self.axis + 1 if self.axis >= 0 else -self.axis} dimension(s), "
+                             f"got shape {tuple(shape)}")
+        if shape[self.axis] != self.num_features:
+            raise ValueError(f"BatchNorm({self.num_features}) expects x.shape[{self.axis}] = "
+                             f"{self.num_features} features, got shape {tuple(shape)}")
+
+    def _check_state_value(self, key, value):
+        if key == "num_batches_tracked":
+            if value.shape != () or value.dtype.kind not in "iu" or value < 0:
+                raise TypeError(f"state_dict['num_batches_tracked'] must be a non-negative "
+                                f"integer scalar (0-d array), got {value.dtype} array of shape "
+                                f"{value.shape}")
+            return value
+        return super()._check_state_value(key, value)
+
+    def _forward(self, x):
+        common = dict(eps=self.eps, axis=self.axis, num_threads=self.num_threads)
+        if not self.track_running_stats:  # batch statistics in both modes, as torch
+            return fastln.batch_norm_forward(x, self.weight, self.bias, training=True, **common)
+        if not self.training:
+            return fastln.batch_norm_forward(x, self.weight, self.bias, self.running_mean,
+                                             self.running_var, training=False, **common)
+
+        count = int(self.num_batches_tracked) + 1
+        momentum = 1.0 - 1.0 / count if self.momentum is None else self.momentum
+        if not self.unbiased_running_var:
+            y, cache = fastln.batch_norm_forward(x, self.weight, self.bias, self.running_mean,
+                                                 self.running_var, training=True,
+                                                 momentum=momentum, **common)
+        else:
+            values_per_feature = x.size // self.num_features
+            if values_per_feature < 2:
+                raise ValueError(f"BatchNorm with unbiased_running_var=True needs more than one "
+                                 f"value per feature in training mode (the unbiased variance "
+                                 f"divides by m - 1), got x of shape {x.shape}")
+            # momentum=0 makes batch_norm store the exact batch mean and biased variance here.
+            batch_mean = np.zeros(self.num_features)
+            batch_var = np.zeros(self.num_features)
+            y, cache = fastln.batch_norm_forward(x, self.weight, self.bias, batch_mean,
+                                                 batch_var, training=True, momentum=0.0,
+                                                 **common)
+            batch_var *= values_per_feature / (values_per_feature - 1)
+            update_running(self.running_mean, momentum, batch_mean)
+            update_running(self.running_var, momentum, batch_var)
+        self.num_batches_tracked[...] = count
+        return y, cache
+
+    def _backward(self, dy, cache):
+        dx, dweight, dbias = fastln.batch_norm_backward(dy, cache, self.weight,
+                                                        num_threads=self.num_threads)
+        return dx, ({"weight": dweight, "bias": dbias} if self.affine else {})
+
+    def __repr__(self):
+        extra = ", unbiased_running_var=True" if self.unbiased_running_var else ""
+        return (f"BatchNorm({self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"axis={self.axis}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}, dtype={self.dtype.name}"
+                f"{extra}, training={self.training})")

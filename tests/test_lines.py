@@ -1,0 +1,227 @@
+"""`fastln lines`: the lesson's program, its output format, every bad-line case, stdin and files."""
+import contextlib
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastln import cli
+from fastln.lines import format_values, normalize_sample, run_lines
+
+
+def run(text, precision=4):
+    """run_lines over `text`: (exit status, stdout lines, stderr lines)."""
+    out, err = io.StringIO(), io.StringIO()
+    status = run_lines(io.StringIO(text), out, err, precision)
+    return status, out.getvalue().splitlines(), err.getvalue().splitlines()
+
+
+def run_main(argv, stdin_text=None, monkeypatch=None):
+    """cli.main in-process: (exit status, stdout, stderr)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    if stdin_text is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin_text))
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = cli.main(argv)
+    return status, stdout.getvalue(), stderr.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# The lesson
+# ---------------------------------------------------------------------------------------------
+
+def test_the_lessons_trace():
+    assert run("INPUT 10 20 60\nNORM\n") == (0, ["-0.9258 -0.4629 1.3887"], [])
+
+
+def test_scaling_and_shifting_a_sample_does_not_move_the_output():
+    status, out, err = run("INPUT 10 20 60\nINPUT 100 200 600\nINPUT 1010 1020 1060\nNORM\n")
+    assert (status, err) == (0, [])
+    assert out == ["-0.9258 -0.4629 1.3887"] * 3
+
+
+def test_each_pending_sample_is_normalized_on_its_own_in_input_order_then_cleared():
+    status, out, err = run("INPUT 1 2 3\nINPUT 4 4 8 8\nNORM\nNORM\nINPUT 0 1\nNORM\n")
+    assert (status, err) == (0, [])
+    assert out == ["-1.2247 0.0000 1.2247", "-1.0000 -1.0000 1.0000 1.0000", "-1.0000 1.0000"]
+
+
+def test_gamma_beta_and_eps_stay_set():
+    status, out, err = run("GAMMA 2 1 0.5\nBETA 1 0 -1\nINPUT 10 20 60\nNORM\n"
+                           "INPUT 10 20 60\nNORM\nEPS 100\nINPUT 10 20 60\nNORM\n")
+    assert (status, err) == (0, [])
+    x_hat = np.array([10.0, 20.0, 60.0]) - 30.0
+    expected = [2, 1, 0.5] * (x_hat / np.sqrt(1400 / 3 + 100)) + [1, 0, -1]
+    assert out == ["-0.8516 -0.4629 -0.3056"] * 2 + [format_values(expected)]
+
+
+def test_a_constant_sample_prints_beta_never_nan_even_with_eps_zero():
+    status, out, err = run("INPUT 5 5 5\nNORM\nBETA 1 -2 0.5\nEPS 0\nINPUT 0.1 0.1 0.1\n"
+                           "INPUT 7 7 7\nNORM\nBETA 4\nINPUT 3\nNORM\n")
+    assert (status, err) == (0, [])
+    assert out == ["0.0000 0.0000 0.0000", "1.0000 -2.0000 0.5000", "1.0000 -2.0000 0.5000",
+                   "4.0000"]
+
+
+def test_negative_zero_prints_as_zero():
+    # -0.00001 rounds to "-0.0000" in Python's formatting; the program prints 0.0000
+    assert format_values([-0.0, -0.00001, 0.00004, -0.00005]) == "0.0000 0.0000 0.0000 -0.0001"
+    status, out, _ = run("BETA -0.00001 0 0\nINPUT 1 1 1\nNORM\n")
+    assert out == ["0.0000 0.0000 0.0000"] and "-" not in out[0]
+
+
+def test_comments_blank_lines_and_case_insensitive_commands():
+    text = ("# the lesson's trace\n\n   \n  # indented comment\ninput 10 20 60\n"
+            "Norm\n\tGaMmA 1 1 1\r\nInPuT 10 20 60\r\nnorm\r\n")
+    assert run(text) == (0, ["-0.9258 -0.4629 1.3887"] * 2, [])
+
+
+@pytest.mark.parametrize("precision, expected", [
+    (0, "-1 0 1"), (2, "-0.93 -0.46 1.39"), (6, "-0.925820 -0.462910 1.388730")])
+def test_precision(precision, expected):
+    assert run("INPUT 10 20 60\nNORM\n", precision)[1] == [expected]
+    assert run("INPUT -1 0 1\nEPS 0\nNORM\n", 0)[1] == ["-1 0 1"]  # "-0" never printed
+
+
+def test_extreme_but_finite_values_do_not_overflow():
+    status, out, err = run("INPUT 1e308 -1e308 5e307\nINPUT 1e-300 3e-300\nEPS 0\n"
+                           "INPUT 1e-300 3e-300\nNORM\n")
+    assert (status, err) == (0, [])
+    # eps = 0 applies at NORM to all three samples; with eps = 0 tiny values normalize too
+    assert out == ["0.9806 -1.3728 0.3922", "-1.0000 1.0000", "-1.0000 1.0000"]
+    assert np.allclose(normalize_sample([1e-300, 3e-300]), 0.0)  # eps 1e-5 dwarfs the variance
+
+
+def test_normalize_sample_is_fastln_layer_norm_bit_for_bit_in_ordinary_ranges():
+    import fastln
+
+    rng = np.random.default_rng(0)
+    for size in (2, 3, 17, 100):
+        x = rng.standard_normal(size) * 50 + 3
+        gamma, beta = rng.standard_normal(size), rng.standard_normal(size)
+        np.testing.assert_array_equal(normalize_sample(x, gamma, beta, 1e-3),
+                                      fastln.layer_norm(x, gamma, beta, 1e-3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad lines: reported with their number, skipped, exit status 1
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, message", [
+    ("NROM", "unknown command 'NROM' (expected one of INPUT, NORM, GAMMA, BETA, EPS)"),
+    ("10 20 60", "unknown command '10' (expected one of INPUT, NORM, GAMMA, BETA, EPS)"),
+    ("INPUT", "INPUT needs at least one value"),
+    ("GAMMA", "GAMMA needs at least one value"),
+    ("BETA", "BETA needs at least one value"),
+    ("EPS", "EPS takes exactly one value, got 0"),
+    ("EPS 1 2", "EPS takes exactly one value, got 2"),
+    ("EPS -0.5", "EPS must be >= 0, got -0.5"),
+    ("EPS nan", "'nan' is not a finite number"),
+    ("NORM 3", "NORM takes no values, got 1"),
+    ("INPUT 1 two 3", "'two' is not a number"),
+    ("INPUT 10, 20", "'10,' is not a number"),
+    ("INPUT 1 nan", "'nan' is not a finite number"),
+    ("INPUT inf 1", "'inf' is not a finite number"),
+    ("INPUT -Infinity", "'-Infinity' is not a finite number"),
+    ("INPUT 1e999 1", "'1e999' is not a finite number"),
+    ("GAMMA 1 x", "'x' is not a number"),
+    ("BETA 1 nan", "'nan' is not a finite number"),
+])
+def test_each_malformed_line_is_reported_and_skipped(line, message):
+    text = f"INPUT 1 2 3\n{line}\nINPUT 10 20 60\nNORM\n"
+    status, out, err = run(text)
+    assert status == 1
+    assert err == [f"line 2: {message}"]
+    assert out == ["-1.2247 0.0000 1.2247", "-0.9258 -0.4629 1.3887"]  # processing went on
+
+
+def test_a_bad_line_changes_nothing():
+    status, out, err = run("EPS 100\nEPS -1\nGAMMA 2 2 2\nGAMMA 1 oops 1\nINPUT 10 20 60\nNORM\n")
+    assert status == 1 and len(err) == 2
+    x_hat = (np.array([10.0, 20.0, 60.0]) - 30.0) / np.sqrt(1400 / 3 + 100)
+    assert out == [format_values(2 * x_hat)]  # EPS 100 and GAMMA 2 2 2 still in effect
+
+
+def test_a_sample_whose_length_differs_from_gamma_or_beta_is_bad():
+    status, out, err = run("GAMMA 1 1 1\nINPUT 1 2\nINPUT 1 2 4\nNORM\n"
+                           "BETA 0 0 0 0\nINPUT 1 2 3\nNORM\n")
+    assert status == 1
+    assert err == ["line 2: the sample has 2 value(s), but GAMMA (set on line 1) has 3",
+                   "line 6: the sample has 3 value(s), but BETA (set on line 5) has 4"]
+    assert out == ["-1.0690 -0.2673 1.3363"]
+
+
+def test_gamma_set_after_a_sample_is_checked_at_norm():
+    status, out, err = run("INPUT 1 2\nINPUT 1 2 3\nGAMMA 1 1 1\nNORM\n")
+    assert status == 1
+    assert err == ["line 1: the sample has 2 value(s), but GAMMA (set on line 3) has 3; "
+                   "skipped by NORM on line 4"]
+    assert out == ["-1.2247 0.0000 1.2247"]
+
+
+def test_a_sample_whose_result_overflows_is_reported_not_printed_as_inf():
+    status, out, err = run("GAMMA 1e308 1e308\nBETA 1e308 1e308\nINPUT 1 2\nNORM\n")
+    assert (status, out) == (1, [])
+    assert err == ["line 3: the normalized sample overflows float64 (GAMMA or BETA too large); "
+                   "skipped by NORM on line 4"]
+
+
+def test_stdout_and_stderr_and_the_exit_status_of_a_mixed_run():
+    text = "INPUT 10 20 60\nNORM\nbogus\nINPUT 1 2 3\nNORM\n"
+    status, out, err = run(text)
+    assert (status, out, err) == (1, ["-0.9258 -0.4629 1.3887", "-1.2247 0.0000 1.2247"],
+                                  ["line 3: unknown command 'bogus' (expected one of INPUT, "
+                                   "NORM, GAMMA, BETA, EPS)"])
+
+
+def test_samples_never_normalized_are_mentioned_but_not_an_error():
+    status, out, err = run("INPUT 1 2\nNORM\nINPUT 3 4\nINPUT 5 6\n")
+    assert (status, out) == (0, ["-1.0000 1.0000"])
+    assert err == ["fastln lines: warning: 2 sample(s) (line(s) 3, 4) were never normalized: "
+                   "no NORM after them"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command: stdin, files, options
+# ---------------------------------------------------------------------------------------------
+
+def test_reads_a_file(tmp_path):
+    path = tmp_path / "commands.txt"
+    path.write_text("\ufeff# saved by an editor that writes a BOM\nINPUT 10 20 60\nNORM\nNOPE\n",
+                    encoding="utf-8")
+    status, stdout, stderr = run_main(["lines", str(path), "--precision", "2"])
+    assert (status, stdout) == (1, "-0.93 -0.46 1.39\n")
+    assert stderr == "line 4: unknown command 'NOPE' (expected one of INPUT, NORM, GAMMA, BETA, " \
+                     "EPS)\n"
+
+
+@pytest.mark.parametrize("argv", [["lines"], ["lines", "-"]])
+def test_reads_stdin(argv, monkeypatch):
+    assert run_main(argv, "INPUT 10 20 60\nNORM\n", monkeypatch) == (
+        0, "-0.9258 -0.4629 1.3887\n", "")
+
+
+def test_a_missing_file_is_exit_status_2(tmp_path):
+    status, stdout, stderr = run_main(["lines", str(tmp_path / "nope.txt")])
+    assert (status, stdout) == (2, "")
+    assert stderr.startswith("fastln lines: cannot read ") and "No such file" in stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "101"])
+def test_a_bad_precision_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["lines", "--precision", value])
+    assert exit_info.value.code == 2
+    assert "--precision" in capsys.readouterr().err
+
+
+def test_the_installed_command_reads_stdin_and_sets_the_exit_status():
+    """The real `python -m fastln lines` with a pipe: the lesson's trace and a bad line."""
+    result = subprocess.run([sys.executable, "-m", "fastln", "lines"],
+                            input="INPUT 10 20 60\nNORM\nINPUT 1 x\n", capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout == "-0.9258 -0.4629 1.3887\n"
+    assert result.stderr == "line 3: 'x' is not a number\n"
+    assert result.returncode == 1
