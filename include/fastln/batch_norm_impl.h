@@ -57,6 +57,7 @@ static void FASTLN_NAME(fastln_bn_stats_segments)(
         const FASTLN_T *segment = x + k * stride;
         int64_t l = 0;
         for (; l + FASTLN_BLOCK <= n_inner; l += FASTLN_BLOCK) {
+            FASTLN_UNROLL_ACCUMULATORS
             for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
                 const fastln_d8 d = FASTLN_LOAD8(segment + l + 8 * a) - shift;
                 sum[a] += d;
@@ -163,6 +164,7 @@ static void FASTLN_NAME(fastln_bn_backward_sums_segments)(
         const FASTLN_T *x_segment = x + k * stride;
         int64_t l = 0;
         for (; l + FASTLN_BLOCK <= n_inner; l += FASTLN_BLOCK) {
+            FASTLN_UNROLL_ACCUMULATORS
             for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
                 const fastln_d8 g = FASTLN_LOAD8(dy_segment + l + 8 * a);
                 const fastln_d8 d = FASTLN_LOAD8(x_segment + l + 8 * a) - mean;

@@ -23,6 +23,17 @@ typedef float fastln_f16 __attribute__((vector_size(64)));
 #define FASTLN_ACCUMULATORS 4
 #define FASTLN_BLOCK (8 * FASTLN_ACCUMULATORS)
 
+/* Put before every loop over the accumulators: once it is unrolled, the accumulator arrays live in
+ * registers; left rolled (the compiler's choice inside a large translation unit), they round-trip
+ * through memory on every iteration and the kernel runs at half speed. */
+#if defined(__clang__)
+#define FASTLN_UNROLL_ACCUMULATORS _Pragma("unroll")
+#elif defined(__GNUC__)
+#define FASTLN_UNROLL_ACCUMULATORS _Pragma("GCC unroll 4")
+#else
+#define FASTLN_UNROLL_ACCUMULATORS
+#endif
+
 /* Every kernel is compiled for AVX-512, AVX2+FMA and the baseline, and the loader picks the best
  * the CPU has (GCC function multi-versioning), so a portable build still uses wide vectors. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(FASTLN_NO_DISPATCH)

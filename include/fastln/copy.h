@@ -57,7 +57,7 @@ static inline void fastln_copy_chunk_nontemporal(double *restrict destination,
         _mm_stream_pd(destination + i + 6, _mm_loadu_pd(source + i + 6));
     }
     for (; i < n_elements; i++) destination[i] = source[i];
-    /* Non-temporal stores are weakly ordered: make them visible before the chunk counts as done. */
+    /* Non-temporal stores are weakly ordered: make them visible before the chunk is done. */
     _mm_sfence();
 }
 

@@ -10,6 +10,7 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_accumulate)(
     const FASTLN_T *x, double shift, fastln_d8 sum[FASTLN_ACCUMULATORS],
     fastln_d8 sumsq[FASTLN_ACCUMULATORS])
 {
+    FASTLN_UNROLL_ACCUMULATORS
     for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
         const fastln_d8 d = FASTLN_LOAD8(x + 8 * a) - shift;
         sum[a] += d;
@@ -120,6 +121,7 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate)(
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
     fastln_d8 sum_d[FASTLN_ACCUMULATORS])
 {
+    FASTLN_UNROLL_ACCUMULATORS
     for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
         fastln_d8 dx_hat = FASTLN_LOAD8(dy + 8 * a);
         if (gamma) dx_hat *= FASTLN_LOAD8(gamma + 8 * a);

@@ -10,6 +10,7 @@
 FASTLN_INLINE void FASTLN_NAME(fastln_rms_accumulate)(
     const FASTLN_T *x, double scale, fastln_d8 sumsq[FASTLN_ACCUMULATORS])
 {
+    FASTLN_UNROLL_ACCUMULATORS
     for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
         const fastln_d8 v = FASTLN_LOAD8(x + 8 * a) * scale;
         sumsq[a] += v * v;
@@ -106,6 +107,7 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_accumulate)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double x_scale,
     fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS])
 {
+    FASTLN_UNROLL_ACCUMULATORS
     for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
         fastln_d8 dx_hat = FASTLN_LOAD8(dy + 8 * a);
         if (gamma) dx_hat *= FASTLN_LOAD8(gamma + 8 * a);
