@@ -1,5 +1,5 @@
-/* Template body of add_norm.h: included once per element type with FASTLN_T, FASTLN_NAME,
- * FASTLN_LOAD8 and FASTLN_STORE8 defined (see layer_norm.h). No include guard on purpose.
+/* Template body of add_norm.h, instantiated per element type by fastln/instantiate.h (which
+ * lists the macros it defines). No include guard on purpose.
  *
  * Aliasing: s may be x or residual itself (the in-place residual-stream update), and y may be x
  * or residual: within a row every element of x and residual is read before s is written, and s

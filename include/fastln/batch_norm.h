@@ -107,24 +107,8 @@ static inline void fastln_bn_backward_constants(
     }
 }
 
-#define FASTLN_T float
-#define FASTLN_NAME(name) name##_f32
-#define FASTLN_LOAD8 fastln_load8_f32
-#define FASTLN_STORE8 fastln_store8_f32
-#include "fastln/batch_norm_impl.h"
-#undef FASTLN_T
-#undef FASTLN_NAME
-#undef FASTLN_LOAD8
-#undef FASTLN_STORE8
-
-#define FASTLN_T double
-#define FASTLN_NAME(name) name##_f64
-#define FASTLN_LOAD8 fastln_load8_f64
-#define FASTLN_STORE8 fastln_store8_f64
-#include "fastln/batch_norm_impl.h"
-#undef FASTLN_T
-#undef FASTLN_NAME
-#undef FASTLN_LOAD8
-#undef FASTLN_STORE8
+#define FASTLN_TEMPLATE "fastln/batch_norm_impl.h"
+#include "fastln/instantiate.h"
+#undef FASTLN_TEMPLATE
 
 #endif /* FASTLN_BATCH_NORM_H */

@@ -1,5 +1,5 @@
-/* Template body of batch_norm.h: included once per element type with FASTLN_T, FASTLN_NAME,
- * FASTLN_LOAD8 and FASTLN_STORE8 defined (see layer_norm.h). No include guard on purpose.
+/* Template body of batch_norm.h, instantiated per element type by fastln/instantiate.h (which
+ * lists the macros it defines). No include guard on purpose.
  *
  * Per-feature arrays (shift, mean, scale, ..., and the accumulators) are double. In the rows
  * layout eight features share a vector and the last n_features % 8 take the same arithmetic one

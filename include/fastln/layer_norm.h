@@ -26,9 +26,9 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
     double mean, double mean_correction, double rstd, double total_dxhat,
     double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc);
 
-/* FASTLN_ACC_T is the type of the backward's per-row dgamma/dbeta accumulators: float32 rows
- * accumulate a few rows in float (the caller folds them into double partial sums every
- * FASTLN_ROWS_PER_FLUSH rows), float64 rows accumulate in double directly. */
+/* The backward's per-row dgamma/dbeta accumulators are FASTLN_ACC_T (fastln/instantiate.h):
+ * float32 rows accumulate FASTLN_ROWS_PER_FLUSH rows in float before the caller folds them into
+ * double partial sums; float64 rows accumulate in double directly. */
 #define FASTLN_ROWS_PER_FLUSH 16
 
 /* The one-pass variance sum(d * d) / n - mean(d)^2 is recomputed around the mean when the two
@@ -36,37 +36,9 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * standard deviations from its mean. */
 #define FASTLN_MAX_CANCELLATION 16.0
 
-#define FASTLN_T float
-#define FASTLN_ACC_T float
-#define FASTLN_NAME(name) name##_f32
-#define FASTLN_LOAD8 fastln_load8_f32
-#define FASTLN_STORE8 fastln_store8_f32
-#define FASTLN_ACC_LOAD8 fastln_load8_f32
-#define FASTLN_ACC_STORE8 fastln_store8_f32
-#include "fastln/layer_norm_impl.h"
-#undef FASTLN_T
-#undef FASTLN_ACC_T
-#undef FASTLN_NAME
-#undef FASTLN_LOAD8
-#undef FASTLN_STORE8
-#undef FASTLN_ACC_LOAD8
-#undef FASTLN_ACC_STORE8
-
-#define FASTLN_T double
-#define FASTLN_ACC_T double
-#define FASTLN_NAME(name) name##_f64
-#define FASTLN_LOAD8 fastln_load8_f64
-#define FASTLN_STORE8 fastln_store8_f64
-#define FASTLN_ACC_LOAD8 fastln_load8_f64
-#define FASTLN_ACC_STORE8 fastln_store8_f64
-#include "fastln/layer_norm_impl.h"
-#undef FASTLN_T
-#undef FASTLN_ACC_T
-#undef FASTLN_NAME
-#undef FASTLN_LOAD8
-#undef FASTLN_STORE8
-#undef FASTLN_ACC_LOAD8
-#undef FASTLN_ACC_STORE8
+#define FASTLN_TEMPLATE "fastln/layer_norm_impl.h"
+#include "fastln/instantiate.h"
+#undef FASTLN_TEMPLATE
 
 /* Folds float accumulators into double partial sums and clears them (float32 backward). */
 FASTLN_DISPATCH

@@ -1,6 +1,5 @@
-/* Template body of layer_norm.h: included once per element type with FASTLN_T (the element
- * type), FASTLN_NAME(name) (appends the type suffix), FASTLN_LOAD8 and FASTLN_STORE8 (eight
- * elements to/from a fastln_d8) defined. No include guard on purpose.
+/* Template body of layer_norm.h, instantiated per element type by fastln/instantiate.h (which
+ * lists the macros it defines). No include guard on purpose.
  *
  * A row's last (n_cols % 8 or % 32) elements go through the same vector code on a small padded
  * copy, with padding chosen to add exactly zero to every sum, so there is no scalar path. */

@@ -15,24 +15,8 @@
 #include <string.h>
 #include "fastln/common.h"
 
-#define FASTLN_T float
-#define FASTLN_NAME(name) name##_f32
-#define FASTLN_LOAD8 fastln_load8_f32
-#define FASTLN_STORE8 fastln_store8_f32
-#include "fastln/rms_norm_impl.h"
-#undef FASTLN_T
-#undef FASTLN_NAME
-#undef FASTLN_LOAD8
-#undef FASTLN_STORE8
-
-#define FASTLN_T double
-#define FASTLN_NAME(name) name##_f64
-#define FASTLN_LOAD8 fastln_load8_f64
-#define FASTLN_STORE8 fastln_store8_f64
-#include "fastln/rms_norm_impl.h"
-#undef FASTLN_T
-#undef FASTLN_NAME
-#undef FASTLN_LOAD8
-#undef FASTLN_STORE8
+#define FASTLN_TEMPLATE "fastln/rms_norm_impl.h"
+#include "fastln/instantiate.h"
+#undef FASTLN_TEMPLATE
 
 #endif /* FASTLN_RMS_NORM_H */
