@@ -17,6 +17,14 @@ FASTLN_INLINE void fastln_ln_write_row_f64(
     const double *x, const double *gamma, const double *beta, double *y, int64_t n_cols,
     double shift, double mean_shifted, double rstd, int streaming);
 
+FASTLN_INLINE void fastln_ln_backward_accumulate_f32(
+    const float *dy, const float *x, const float *gamma, double mean,
+    fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
+    fastln_d8 sum_d[FASTLN_ACCUMULATORS]);
+FASTLN_INLINE void fastln_ln_backward_accumulate_f64(
+    const double *dy, const double *x, const double *gamma, double mean,
+    fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
+    fastln_d8 sum_d[FASTLN_ACCUMULATORS]);
 FASTLN_INLINE void fastln_ln_backward_write_row_f32(
     const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
     double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
@@ -48,6 +56,40 @@ static void fastln_flush_accumulators_f32(
     for (int64_t j = 0; j < n; j++) {
         partials[j] += (double)accumulators[j];
         accumulators[j] = 0.0f;
+    }
+}
+
+/* float64 backward rows: the double sums. */
+FASTLN_INLINE void fastln_ln_backward_accumulate_f64(
+    const double *dy, const double *x, const double *gamma, double mean,
+    fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
+    fastln_d8 sum_d[FASTLN_ACCUMULATORS])
+{
+    fastln_ln_backward_accumulate_double_f64(dy, x, gamma, mean, sum_dxhat, sum_dxhat_d, sum_d);
+}
+
+/* float32 backward rows: dx_hat = dy * gamma and d = x - mean are formed in float32 (one
+ * rounding each, relative to the value itself: no cancellation, since mean is the cache's float32
+ * mean and the sums below re-derive its correction), then widened and summed in double. Half the
+ * conversions of the all-double version. */
+FASTLN_INLINE void fastln_ln_backward_accumulate_f32(
+    const float *dy, const float *x, const float *gamma, double mean,
+    fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
+    fastln_d8 sum_d[FASTLN_ACCUMULATORS])
+{
+    const float mean_f = (float)mean;
+    float dx_hat[FASTLN_BLOCK], d[FASTLN_BLOCK];
+    for (int k = 0; k < FASTLN_BLOCK; k++) {
+        dx_hat[k] = gamma ? dy[k] * gamma[k] : dy[k];
+        d[k] = x[k] - mean_f;
+    }
+    FASTLN_UNROLL_ACCUMULATORS
+    for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
+        const fastln_d8 dx_hat8 = fastln_load8_f32(dx_hat + 8 * a);
+        const fastln_d8 d8 = fastln_load8_f32(d + 8 * a);
+        sum_dxhat[a] += dx_hat8;
+        sum_dxhat_d[a] += dx_hat8 * d8;
+        sum_d[a] += d8;
     }
 }
 

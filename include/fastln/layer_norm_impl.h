@@ -114,8 +114,8 @@ static void FASTLN_NAME(fastln_layer_norm_forward_row)(
                                      streaming);
 }
 
-/* Backward sums over FASTLN_BLOCK elements: dx_hat = dy * gamma, d = x - mean. */
-FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate)(
+/* Backward sums over FASTLN_BLOCK elements, all in double: dx_hat = dy * gamma, d = x - mean. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double mean,
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
     fastln_d8 sum_d[FASTLN_ACCUMULATORS])
