@@ -14,17 +14,24 @@ batched into samples of about a millisecond and a test stops after 3 to 15 sampl
 0.15 s. `fastln bench` is the tool for careful numbers (interleaved rounds, one process).
 """
 import gc
+import importlib.util
+import os
 
-import numpy as np
-import pytest
+# As `fastln bench` does (see fastln.bench.command): idle OpenMP workers sleep instead of
+# spinning for milliseconds into the next test. Only effective before libgomp is loaded, i.e.
+# when this conftest is the first to import fastln (or torch).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-try:
-    import pytest_benchmark  # noqa: F401
-except ImportError:  # the suite needs the plugin; without it, collect nothing instead of failing
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+if importlib.util.find_spec("pytest_benchmark") is None:
+    # The suite needs the plugin (pip install pytest-benchmark): without it, collect nothing
+    # instead of failing on the missing `benchmark` fixture.
     collect_ignore_glob = ["test_*.py"]
 
-from fastln.bench.machine import usable_cpus
-from fastln.bench.ops.base import check_rows
+from fastln.bench.machine import usable_cpus  # noqa: E402
+from fastln.bench.ops.base import check_rows  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -4,11 +4,14 @@ No timing is asserted (the numbers belong to the machine); the runs are small en
 second or two.
 """
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -25,9 +28,14 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def run_main(argv):
-    """cli.main in-process: (exit status, stdout, stderr)."""
+    """cli.main measuring in this process: (exit status, stdout, stderr).
+
+    `fastln bench` normally measures in a child process (see fastln.bench.command); the marker
+    keeps these runs in-process and fast. The child path has its own test below.
+    """
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with mock.patch.dict(os.environ, {command.CHILD_ENVIRONMENT: "1"}), \
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = cli.main(argv)
     return status, stdout.getvalue(), stderr.getvalue()
 
@@ -154,7 +162,36 @@ def test_numpy_is_timed_once_and_shown_at_every_thread_count(tmp_path):
     assert not by_key[(2, "fastln")]["measured_once_for_all_threads"]
 
 
-@pytest.mark.parametrize("shapes", ["4096by768", "4096x", "0x768", "x768", "1.5x768", ""])
+def test_a_wrong_or_failing_peer_is_reported_not_timed(monkeypatch):
+    from fastln.bench import runner, timing
+    from fastln.bench.ops import Implementation, Prepared
+
+    def prepare_wrong(inputs, num_threads, out_buffer):
+        return Prepared(lambda: inputs.x * 2.0)
+
+    def prepare_failing(inputs, num_threads, out_buffer):
+        raise RuntimeError("no kernel for this")
+
+    forward = OPERATIONS["forward"]
+    broken = dataclasses.replace(forward, implementations=forward.implementations[:1] + (
+        Implementation("wrong", "numpy", prepare_wrong, uses_threads=False),
+        Implementation("failing", "numpy", prepare_failing, uses_threads=False)))
+    monkeypatch.setitem(runner.OPERATIONS, "forward", broken)
+    config = runner.BenchConfig(ops=("forward",), shapes=((8, 32),), dtypes=("float64",),
+                                threads=(1,), peers=("numpy",), progress=False,
+                                schedule=timing.Schedule(min_sample_seconds=1e-4,
+                                                         fixed_rounds=2),
+                                copy_buffer_bytes=1 << 20, copy_repeats=1)
+    result = runner.run_benchmark(config)
+    statuses = {record["implementation"]: record["status"] for record in result["results"]}
+    assert statuses["fastln"] == "ok"
+    assert statuses["wrong"].startswith("mismatch: result 0 differs from fastln's")
+    assert statuses["failing"] == "error: RuntimeError: no kernel for this"
+    table = report.format_table(result)
+    assert "not timed" in table and "no kernel for this" in table
+
+
+@pytest.mark.parametrize("shapes", ["4096by768", "4096x", "0x768", "x768", "1.5x768", "768", ""])
 def test_malformed_shapes_exit_2_naming_the_option(shapes, capsys):
     with pytest.raises(SystemExit) as excinfo:
         cli.main(["bench", "--shapes", shapes])
@@ -191,6 +228,24 @@ def test_defaults_and_quick():
     assert quick.shapes == command.QUICK_SHAPES and len(quick.threads) == 1
 
 
+def test_rounds_fit_the_budget():
+    from fastln.bench.timing import Schedule
+
+    schedule = Schedule()  # 5 to 25 rounds in 0.6 s; 3 when a round takes over a second
+    assert schedule.rounds_for(0.001) == 25
+    assert schedule.rounds_for(0.05) == 12
+    assert schedule.rounds_for(0.5) == 5
+    assert schedule.rounds_for(2.0) == 3
+    assert Schedule(fixed_rounds=7).rounds_for(2.0) == 7
+
+
+def test_times_are_written_with_three_digits_below_1000():
+    assert report.format_seconds(5.47e-7) == "547 ns"
+    assert report.format_seconds(9.996e-4) == "1 ms"
+    assert report.format_seconds(0.0195) == "19.5 ms"
+    assert report.format_seconds(1.58) == "1.58 s"
+
+
 def test_fastln_alone_describes_the_build_and_the_worked_example():
     status, stdout, _ = run_main([])
     assert status == 0
@@ -199,16 +254,56 @@ def test_fastln_alone_describes_the_build_and_the_worked_example():
     assert "fastln bench" in stdout
 
 
-def test_python_m_fastln_runs_numpy_only_without_importing_peers():
-    # A subprocess: the peers must not be imported when they are not selected.
+def _clean_environment(**extra):
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                   command.CHILD_ENVIRONMENT)}
+    environment.update(extra)
+    return environment
+
+
+def test_python_m_fastln_bench_measures_in_a_child_with_passive_openmp(tmp_path):
+    path = tmp_path / "child.json"
+    result = subprocess.run([sys.executable, "-m", "fastln", *TINY, "--ops", "forward",
+                             "--json", str(path)],
+                            capture_output=True, text=True, timeout=120,
+                            env=_clean_environment())
+    assert result.returncode == 0, result.stderr
+    assert "numpy-inplace" in result.stdout and "OMP_WAIT_POLICY=PASSIVE" in result.stdout
+    data = json.loads(path.read_text())
+    assert data["machine"]["thread_environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_peers_that_are_not_selected_are_not_imported():
     code = ("import sys; from fastln.cli import main; "
             f"status = main({TINY + ['--ops', 'forward']!r}); "
             "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules; "
             "sys.exit(status)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env=_clean_environment(OMP_WAIT_POLICY="PASSIVE"))
     assert result.returncode == 0, result.stderr
+
+
+def test_runs_without_the_optional_libraries():
+    # tqdm and matplotlib hidden: a plain progress counter, a plain table, and --plot refused
+    # before anything is measured.
+    hide = "import sys; sys.modules['tqdm'] = None; sys.modules['matplotlib'] = None; "
+    argv = [arg for arg in TINY if arg != "--no-progress"] + ["--ops", "forward"]
+    code = hide + f"from fastln.cli import main; sys.exit(main({argv!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=_clean_environment(OMP_WAIT_POLICY="PASSIVE"))
+    assert result.returncode == 0, result.stderr
+    assert "[1/2] forward 4x32 float32" in result.stderr
     assert "numpy-inplace" in result.stdout
-    help_text = subprocess.run([sys.executable, "-m", "fastln", "bench", "--help"],
-                               capture_output=True, text=True, timeout=120)
-    assert help_text.returncode == 0 and "--shapes" in help_text.stdout
+
+    code = hide + "from fastln.cli import main; sys.exit(main(['bench', '--plot', 'x.png']))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "--plot" in result.stderr and "matplotlib" in result.stderr
+
+
+def test_bench_help():
+    result = subprocess.run([sys.executable, "-m", "fastln", "bench", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--shapes" in result.stdout

@@ -10,7 +10,7 @@ from libc.stdint cimport int64_t
 
 cimport numpy as cnp
 
-from fastln._openmp cimport fastln_openmp_enabled, fastln_openmp_max_threads
+from fastln._openmp cimport fastln_openmp_enabled
 
 cnp.import_array()
 
@@ -22,13 +22,8 @@ cdef extern from "fastln/copy.h" nogil:
 
 
 def openmp_enabled():
-    """True when this extension was compiled with OpenMP (otherwise the copy runs on one thread)."""
+    """True when compiled with OpenMP (otherwise the copy runs on one thread)."""
     return bool(fastln_openmp_enabled())
-
-
-def default_num_threads():
-    """OpenMP's default team size (honours OMP_NUM_THREADS); 1 without OpenMP."""
-    return fastln_openmp_max_threads()
 
 
 def nontemporal_available():

@@ -60,6 +60,7 @@ def main(argv=None):
     if args.command is None:
         describe()
         return 0
+    args.argv = argv
     args.command_line = shlex.join(["fastln"] + argv)
     module_name, _ = SUBCOMMANDS[args.command]
     return importlib.import_module(module_name).run(args)

@@ -18,7 +18,7 @@ from fastln import _bandwidth
 
 MIB = 1 << 20
 MIN_BUFFER_BYTES = 128 * MIB      # per array
-UNKNOWN_CACHE_BYTES = 128 * MIB   # assumed when sysfs does not say: big server caches are this size
+UNKNOWN_CACHE_BYTES = 128 * MIB   # assumed when sysfs does not say: a big server cache
 CHUNK_BYTES = 1 * MIB             # a thread's unit of work: large enough to stream
 
 
@@ -68,6 +68,8 @@ def measure_copy_bandwidth(thread_counts, buffer_bytes, repeats=5, nontemporal=N
                 traffic = 2 * source.nbytes
                 results.append({
                     "threads": threads,
+                    # Built without OpenMP, the copy runs on one thread whatever was asked.
+                    "threads_used": threads if _bandwidth.openmp_enabled() else 1,
                     "stores": kind,
                     "bytes_per_second": traffic / float(np.median(samples[kind])),
                     "best_bytes_per_second": traffic / min(samples[kind]),

@@ -2,21 +2,31 @@
 
 Defaults, and why:
   ops      forward and backward; dtypes float32 and float64; the seven standard shapes, from one
-           token's row (1x768, all call overhead) to arrays far larger than any cache (32768x1024).
+           token's row (1x768: all call overhead) to arrays larger than most caches (32768x1024:
+           128 MiB in float32, 256 MiB in float64).
   threads  1 and every CPU this process may use. One thread puts fastln and NumPy (which never
            uses more) on equal terms and shows what a core can do; all CPUs is what a user gets
            from fastln's default and shows how close it comes to the memory bandwidth. Both fit
            in about two minutes on a 2-core machine.
   peers    every one that is installed (numpy always is); a requested peer that is not
            installed is skipped with a warning.
-  rounds   between 5 and 25 per case, as many as fit in 0.6 s; --repeat N fixes them.
+  rounds   between 5 and 25 per case, as many as fit in 0.6 s (3 when one round takes more
+           than a second: the largest arrays); --repeat N fixes them.
   --quick  four shapes up to 4096x4096, all CPUs only, shorter samples: under a minute.
+
+The measurements run in a child process with OMP_WAIT_POLICY=PASSIVE (unless OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is already set, which is then respected). Interleaving puts several OpenMP
+runtimes in one process (fastln's libgomp, PyTorch's own copy, ONNX Runtime's pool), and by
+default each one's idle workers spin for milliseconds after every call; on a machine with few
+cores the next implementation then waits for a core, and multi-threaded timings are off by
+orders of magnitude. The policy must be set before libgomp loads, hence the fresh process.
 
 Nothing heavy is imported here (no peer, no matplotlib): the parser is built every time
 `fastln` starts.
 """
 import argparse
 import os
+import subprocess
 import sys
 
 from fastln.bench.ops import OPERATIONS
@@ -27,6 +37,9 @@ STANDARD_SHAPES = ((1, 768), (8, 768), (64, 768), (512, 768), (4096, 768), (4096
 QUICK_SHAPES = ((1, 768), (64, 768), (4096, 768), (4096, 4096))
 DTYPES = ("float32", "float64")
 OPS = tuple(OPERATIONS)
+# LayerNorm only, so that the default run stays at about two minutes; the normalization family
+# (rms_*, add_*, batch_norm_*) runs when --ops names it.
+DEFAULT_OPS = ("forward", "backward")
 
 
 def _comma_list(text, option):
@@ -49,14 +62,16 @@ def _choices(option, allowed):
 
 
 def parse_shapes(text):
-    """'1x768,4096x4096' -> ((1, 768), (4096, 4096)); the last axis is normalized."""
+    """'1x768,4096x4096' -> ((1, 768), (4096, 4096)); the last axis is normalized, the others
+    are rows. At least two dimensions, so that every implementation sees rows the same way."""
     shapes = []
     for item in _comma_list(text, "--shapes"):
         parts = item.lower().split("x")
-        if not all(part.isdigit() and int(part) > 0 for part in parts):
+        if len(parts) < 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not a shape: write positive integers joined by 'x', like "
-                f"4096x768 (rows x columns), separated by commas")
+                f"{item!r} is not a shape: write rows x columns as positive integers joined "
+                f"by 'x', like 4096x768 or 1x768 (more leading dimensions are allowed), and "
+                f"separate shapes with commas")
         shapes.append(tuple(int(part) for part in parts))
     return tuple(dict.fromkeys(shapes))
 
@@ -114,8 +129,19 @@ def add_arguments(parser):
     parser.description = ("Time fastln's layer_norm forward and backward against NumPy "
                           "(naive and in place), PyTorch and ONNX Runtime when installed, in one "
                           "process, interleaved, with the same thread count for all.")
-    parser.add_argument("--ops", type=_choices("--ops", OPS), default=OPS,
-                        help="operations to time (default: forward,backward)")
+    parser.epilog = ("The measurements run in a child process with OMP_WAIT_POLICY=PASSIVE, so "
+                     "that idle OpenMP workers of one library do not spin on the cores the next "
+                     "one needs; set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to measure in "
+                     "this process with your policy.")
+    parser.add_argument("--ops", type=_choices("--ops", OPS), default=DEFAULT_OPS,
+                        help="operations to time, comma-separated (default: forward,backward, "
+                             "about two minutes). LayerNorm: forward, backward. The "
+                             "normalization family, run only when named here: rms_forward, "
+                             "rms_backward (RMSNorm); add_layer_norm, add_rms_norm (residual "
+                             "add + norm, forward; returns y and the sum); batch_norm_train "
+                             "(forward in training mode, running statistics updated), "
+                             "batch_norm_backward (training mode). Batch norm reads a shape as "
+                             "(N, C) or (N, C, H, W, ...): features on axis 1, as in PyTorch")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="comma-separated shapes like 1x768,4096x4096 (default: "
                              + ",".join("x".join(map(str, s)) for s in STANDARD_SHAPES) + ")")
@@ -128,7 +154,7 @@ def add_arguments(parser):
                              "torch, onnxruntime, or none (default: those installed)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
                         help="interleaved rounds per case (default: 5-25, as many as fit in "
-                             "0.6 s)")
+                             "0.6 s; 3 when a round takes over a second)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer shapes, all CPUs only, shorter samples: under a minute")
     parser.add_argument("--out-buffer", action="store_true",
@@ -168,7 +194,7 @@ def build_config(args):
 
     if args.quick:
         schedule = timing.Schedule(min_sample_seconds=0.001, min_rounds=3, max_rounds=10,
-                                   case_budget_seconds=0.2)
+                                   case_budget_seconds=0.2, slow_min_rounds=3)
         default_shapes, default_threads = QUICK_SHAPES, (usable_cpus(),)
     else:
         schedule = timing.Schedule()
@@ -193,8 +219,36 @@ def build_config(args):
     )
 
 
+# Marks the child process, so that it measures instead of spawning again.
+CHILD_ENVIRONMENT = "FASTLN_BENCH_CHILD"
+
+
+def _wait_policy_is_set():
+    return any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                               CHILD_ENVIRONMENT))
+
+
+def _run_in_child(argv):
+    """Run `fastln <argv>` in a fresh process whose OpenMP runtimes sleep when idle."""
+    environment = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **{CHILD_ENVIRONMENT: "1"})
+    # stderr (progress bar, warnings) goes straight through; stdout is relayed so that the
+    # table lands wherever this process's stdout points.
+    try:
+        child = subprocess.run([sys.executable, "-m", "fastln", *argv], env=environment,
+                               stdout=subprocess.PIPE, text=True)
+    except KeyboardInterrupt:  # the child got the Ctrl-C too and stops on its own
+        return 130
+    sys.stdout.write(child.stdout)
+    sys.stdout.flush()
+    return child.returncode
+
+
 def run(args):
     """Run the benchmark, print the table, write the requested files; returns the exit status."""
+    argv = getattr(args, "argv", None)
+    if argv is not None and not _wait_policy_is_set():
+        return _run_in_child(argv)
+
     from fastln.bench import report as output
     from fastln.bench.runner import run_benchmark
 

@@ -1,4 +1,5 @@
-"""A progress bar on stderr: tqdm when it is installed, a plain counter otherwise."""
+"""Progress on stderr: a tqdm bar on a terminal when tqdm is installed, otherwise a plain
+counter (one line per step in a log file, where a bar would be a heap of carriage returns)."""
 import sys
 
 
@@ -18,11 +19,10 @@ class _PlainProgress:
 
     def update(self, steps=1):
         self.done += steps
-        if self.interactive:
-            self._show()
 
     def _show(self):
-        line = f"[{self.done}/{self.total}] {self.description}"
+        # The step being worked on, counting from 1.
+        line = f"[{min(self.done + 1, self.total)}/{self.total}] {self.description}"
         if self.interactive:
             self.stream.write("\r" + line.ljust(79)[:79])
         else:
@@ -51,6 +51,8 @@ class Progress:
         try:
             from tqdm import tqdm
         except ImportError:
+            tqdm = None
+        if tqdm is None or not (hasattr(self.stream, "isatty") and self.stream.isatty()):
             self._bar = _PlainProgress(self.total, self.stream)
         else:
             self._bar = tqdm(total=self.total, file=self.stream, unit=self.unit, leave=False,

@@ -28,16 +28,19 @@ NOTES = (
     "NumPy has no threads of its own: numpy-naive and numpy-inplace run on one thread, are "
     "timed once per shape and dtype, in the same rounds as every thread count, and are shown "
     "at each.",
-    "output: new = allocates its output on every call; reused = writes into a preallocated "
-    "output (--out-buffer); new (no out=) = the library has no way to reuse one.",
+    "output: new = allocates its output on every call (a large fresh array also costs its "
+    "page faults, often as much as the LayerNorm: compare --out-buffer); reused = writes into a "
+    "preallocated output (--out-buffer); new (no out=) = the library has no way to reuse one.",
 )
 
 
 def format_seconds(seconds):
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
+    """Three significant digits in the smallest unit that keeps them below 1000."""
+    for unit, scale in (("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3)):
+        text = f"{seconds / scale:.3g}"
+        if float(text) < 1000:
+            return f"{text} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def format_gigabytes_per_second(bytes_per_second):
@@ -102,7 +105,8 @@ def header_lines(report):
 
     described = report["machine"]
     fastln_info = described["fastln"]
-    software = [f"fastln {fastln_info['fastln']} (OpenMP {'on' if fastln_info['openmp'] else 'off'})",
+    openmp = "on" if fastln_info["openmp"] else "off"
+    software = [f"fastln {fastln_info['fastln']} (OpenMP {openmp})",
                 f"numpy {described['numpy']}", f"python {described['python']}"]
     software += [f"{name} {version}" for name, version in described["peers"].items()
                  if name not in ("numpy", "onnx")]
@@ -110,6 +114,9 @@ def header_lines(report):
     rounds = settings["rounds"]
     rounds_text = (f"{rounds} rounds" if isinstance(rounds, int)
                    else f"{rounds[0]}-{rounds[1]} rounds")
+    wait_policy = described["thread_environment"].get("OMP_WAIT_POLICY")
+    if wait_policy:
+        software.append(f"OMP_WAIT_POLICY={wait_policy}")
     return [
         f"machine: {summary_line(described)}",
         f"software: {', '.join(software)}",

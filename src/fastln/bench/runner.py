@@ -56,7 +56,8 @@ class BenchConfig:
             "out_buffer": self.out_buffer,
             "min_sample_seconds": self.schedule.min_sample_seconds,
             "rounds": (self.schedule.fixed_rounds if self.schedule.fixed_rounds is not None
-                       else [self.schedule.min_rounds, self.schedule.max_rounds]),
+                       else [min(self.schedule.min_rounds, self.schedule.slow_min_rounds),
+                             self.schedule.max_rounds]),
             "case_budget_seconds": self.schedule.case_budget_seconds,
             "copy_buffer_bytes": self.copy_buffer_bytes,
             "copy_repeats": self.copy_repeats,
@@ -86,11 +87,17 @@ def _contestants(operation, config):
     return pairs
 
 
-def _prepare_and_check(implementation, threads, inputs, dtype, config, reference):
-    """(prepared, calls per sample, seconds per call, fastln's result rows or None).
+class NotMeasured(Exception):
+    """A peer that failed or disagreed with fastln: reported with the reason, never timed."""
 
-    Raises for fastln (nothing can be compared without it); a failing or wrong peer comes back
-    as a status string in place of the first three values.
+
+def _prepare_and_check(implementation, threads, inputs, dtype, config, reference):
+    """(prepared, calls per sample, seconds per call, reference rows) for one contestant.
+
+    The first fastln call's result becomes the reference (its first rows); every later
+    contestant, fastln at other thread counts included, must match it. A failing or mismatching
+    peer raises NotMeasured; a failing fastln raises its own error, as nothing can be compared
+    without it.
     """
     try:
         prepared = implementation.prepare(inputs, threads or 1, config.out_buffer)
@@ -98,35 +105,37 @@ def _prepare_and_check(implementation, threads, inputs, dtype, config, reference
         result = prepared.call()
         first_call_seconds = time.perf_counter() - start
         arrays = prepared.result_arrays(result)
-        if implementation.peer == "fastln" and reference is None:
+        if reference is None:
             reference = tuple(check_rows(array) for array in arrays)
         else:
             mismatch = compare_results(arrays, reference, dtype)
             if mismatch:
-                return f"mismatch: {mismatch}", None, None, reference
+                raise NotMeasured(f"mismatch: {mismatch}")
         del result, arrays
         if prepared.before_sample is not None:
             prepared.before_sample()
         n_calls, seconds_per_call = timing.calibrate(
             prepared.call, first_call_seconds, config.schedule.min_sample_seconds)
+    except NotMeasured:
+        raise
     except Exception as exc:
         if implementation.peer == "fastln":
             raise
-        return f"error: {type(exc).__name__}: {exc}", None, None, reference
+        raise NotMeasured(f"error: {type(exc).__name__}: {exc}") from exc
     return prepared, n_calls, seconds_per_call, reference
 
 
 def measure_group(operation, inputs, shape, dtype, config, copy_results):
     """Records (dicts) for every selected implementation and thread count of one
     (operation, shape, dtype), in table order: by thread count, then implementation."""
-    contestants = _contestants(operation, config)
     prepared_calls, measured, failures = [], [], {}
     reference, round_seconds = None, 0.0
-    for implementation, threads in contestants:
-        prepared, n_calls, seconds_per_call, reference = _prepare_and_check(
-            implementation, threads, inputs, dtype, config, reference)
-        if isinstance(prepared, str):
-            failures[(implementation.name, threads)] = prepared
+    for implementation, threads in _contestants(operation, config):
+        try:
+            prepared, n_calls, seconds_per_call, reference = _prepare_and_check(
+                implementation, threads, inputs, dtype, config, reference)
+        except NotMeasured as exc:
+            failures[(implementation.name, threads)] = str(exc)
             continue
         prepared_calls.append(prepared)
         measured.append((implementation, threads, n_calls))
@@ -212,7 +221,7 @@ def run_benchmark(config, command_line=None, log=sys.stderr):
     results, skipped = [], []
     groups = [(OPERATIONS[name], shape, dtype) for name in config.ops
               for shape in config.shapes for dtype in config.dtypes]
-    with Progress(len(groups), enabled=config.progress, stream=log) as progress:
+    with Progress(len(groups), enabled=config.progress, stream=log, unit="group") as progress:
         for operation, shape, dtype in groups:
             progress.set_description(f"{operation.name} {shape_label(shape)} {dtype}")
             needed = _group_memory_bytes(operation, shape, dtype, config)

@@ -3,7 +3,7 @@
 A sample is the mean time of `calls_per_sample` back-to-back calls, with that count chosen so a
 sample lasts at least `min_sample_seconds`: a 2 us call cannot be timed alone, a thousand of them
 can. Implementations are then measured in rounds, each round taking one sample of every
-implementation (A B C, then B C A, ...): a burst of noise on this shared machine hits every
+implementation (A B C, then B C A, ...): a burst of noise on a shared machine hits every
 implementation of the round instead of one of them, and the per-round ratios to fastln pair
 samples taken moments apart.
 """
@@ -11,26 +11,36 @@ import gc
 import math
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
 
 @dataclass
 class Schedule:
-    """How long samples last and how many rounds a case gets."""
+    """How long samples last and how many rounds a case gets.
+
+    A case gets as many rounds as fit in `case_budget_seconds`, between `min_rounds` and
+    `max_rounds`; a case whose round takes longer than `slow_round_seconds` (the largest arrays,
+    where NumPy alone takes a second) makes do with `slow_min_rounds`, so that the default run
+    stays near two minutes. `fixed_rounds` (--repeat) overrides all of it.
+    """
 
     min_sample_seconds: float = 0.002
     min_rounds: int = 5
     max_rounds: int = 25
-    case_budget_seconds: float = 0.6   # rounds stop at max(min_rounds, budget / round time)
-    fixed_rounds: int = None           # --repeat: exactly this many rounds
+    case_budget_seconds: float = 0.6
+    slow_round_seconds: float = 1.0
+    slow_min_rounds: int = 3
+    fixed_rounds: Optional[int] = None
 
     def rounds_for(self, round_seconds):
         if self.fixed_rounds is not None:
             return self.fixed_rounds
-        affordable = int(self.case_budget_seconds / max(round_seconds, 1e-9))
-        return max(self.min_rounds, min(self.max_rounds, affordable))
+        slow = round_seconds > self.slow_round_seconds
+        fewest = self.slow_min_rounds if slow else self.min_rounds
+        affordable = math.floor(self.case_budget_seconds / max(round_seconds, 1e-9) + 1e-9)
+        return max(fewest, min(self.max_rounds, affordable))
 
 
 def time_calls(call, n_calls):

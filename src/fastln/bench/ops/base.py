@@ -2,13 +2,20 @@
 
 An Operation says what is computed (its inputs, the bytes it must move at the least, how close two
 results must be); each Implementation turns those inputs into one ready-to-time call. Adding an
-operation (rms_norm, add_layer_norm, batch_norm, ...) means writing one module like
-``fastln.bench.ops.layer_norm`` and listing its operations in ``fastln.bench.ops``.
+operation means writing one module like ``fastln.bench.ops.layer_norm`` (``rms_norm``,
+``add_norm`` and ``batch_norm`` are built the same way) and adding it to MODULES in
+``fastln.bench.ops``. The helpers at the end (outputs, threads, rows, torch's thread count, ONNX
+Runtime sessions) are shared by those modules, so that every operation is measured alike.
 """
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
+
+from fastln import _kernels
+
+# Every implementation of every operation gets the same eps.
+EPS = 1e-5
 
 # How a call gets its output array, as the table shows it.
 OUTPUT_NEW = "new"                        # allocates a fresh output on every call
@@ -104,5 +111,92 @@ def compare_results(arrays, reference_arrays, dtype):
         scale = max(float(np.max(np.abs(reference64), initial=0.0)), 1.0)
         error = float(np.max(np.abs(array.astype(np.float64) - reference64), initial=0.0)) / scale
         if not error <= tolerance:  # also catches NaN
-            return f"result {index} differs from fastln's by {error:.2e} (tolerance {tolerance:.0e})"
+            return (f"result {index} differs from fastln's by {error:.2e} "
+                    f"(tolerance {tolerance:.0e})")
     return None
+
+
+# --- helpers shared by the operation modules -----------------------------------------------------
+
+def random_array(rng, shape, dtype):
+    """Standard normal values; generating in the target dtype avoids a float64 temporary."""
+    return rng.standard_normal(shape, dtype=np.dtype(dtype).type)
+
+
+def output_mode(out_buffer, has_out):
+    """The output column for an implementation that can (has_out) or cannot reuse an output."""
+    if not out_buffer:
+        return OUTPUT_NEW
+    return OUTPUT_REUSED if has_out else OUTPUT_NO_OUT
+
+
+def fastln_threads(num_threads):
+    """The threads a fastln call really uses: a build without OpenMP runs every call on one."""
+    return num_threads if _kernels.openmp_enabled() else 1
+
+
+def as_rows(array):
+    """The array as (rows, last axis), a view for C-contiguous inputs."""
+    return array.reshape(-1, array.shape[-1])
+
+
+def row_dots(a, b, out):
+    """sum(a * b, axis=-1) of two 2-D arrays into out without an (n_rows, n_cols) temporary."""
+    if hasattr(np, "vecdot"):  # NumPy >= 2.0, the faster of the two
+        return np.vecdot(a, b, out=out)
+    return np.einsum("ij,ij->i", a, b, out=out)
+
+
+def torch_with_threads(num_threads):
+    """torch, imported (only when a torch implementation is prepared) with its thread count set."""
+    import torch
+
+    torch.set_num_threads(num_threads)
+    return torch
+
+
+def torch_thread_setter(torch, num_threads):
+    """Prepared.before_sample for torch: the count is process-wide and must be set again before
+    each sample, as calls with other counts may run in between."""
+    return lambda: torch.set_num_threads(num_threads)
+
+
+def onnx_element_type(dtype):
+    """The ONNX TensorProto element type of float32 or float64."""
+    from onnx import TensorProto
+
+    return {np.dtype(np.float32): TensorProto.FLOAT,
+            np.dtype(np.float64): TensorProto.DOUBLE}[np.dtype(dtype)]
+
+
+_onnx_sessions: Dict[object, object] = {}
+
+
+def onnxruntime_session(key, build_model, num_threads):
+    """A CPU InferenceSession for the model build_model() returns, cached by (key, num_threads).
+
+    Every ONNX Runtime implementation runs with these options, so that they are measured alike:
+    intra_op_num_threads as for the other libraries, one inter-op thread, sequential execution,
+    and workers that sleep instead of spinning when idle.
+    """
+    cache_key = (key, num_threads)
+    if cache_key in _onnx_sessions:
+        return _onnx_sessions[cache_key]
+    import onnx
+    import onnxruntime
+
+    model = build_model()
+    onnx.checker.check_model(model)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    # ONNX Runtime's idle workers spin, waiting for the next run: measured interleaved, they
+    # would take the cores away from whichever implementation runs next. fastln's and torch's
+    # OpenMP workers spin only briefly before they sleep; let ONNX Runtime's sleep too.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+    _onnx_sessions[cache_key] = session
+    return session

@@ -21,15 +21,22 @@ import numpy as np
 
 import fastln
 from fastln.bench.ops.base import (
+    EPS,
     OUTPUT_NEW,
-    OUTPUT_NO_OUT,
     OUTPUT_REUSED,
     Implementation,
     Operation,
     Prepared,
+    as_rows,
+    fastln_threads,
+    onnx_element_type,
+    onnxruntime_session,
+    output_mode,
+    random_array,
+    row_dots,
+    torch_thread_setter,
+    torch_with_threads,
 )
-
-EPS = 1e-5
 
 
 @dataclass
@@ -46,16 +53,11 @@ class LayerNormInputs:
         return self.x.shape[-1]
 
 
-def _random(rng, shape, dtype):
-    # Generating in the target dtype avoids a float64 temporary the size of x.
-    return rng.standard_normal(shape, dtype=np.dtype(dtype).type)
-
-
 def make_forward_inputs(shape, dtype, rng):
     n_cols = shape[-1]
     # Rows with an offset and a spread other than 0 and 1, and a gamma/beta that are not
     # ones/zeros, so that no implementation can skip work.
-    x = _random(rng, shape, dtype)
+    x = random_array(rng, shape, dtype)
     x *= 2.0
     x += 0.5
     gamma = (1.0 + 0.1 * rng.standard_normal(n_cols)).astype(dtype)
@@ -65,7 +67,7 @@ def make_forward_inputs(shape, dtype, rng):
 
 def make_backward_inputs(shape, dtype, rng):
     inputs = make_forward_inputs(shape, dtype, rng)
-    inputs.dy = _random(rng, shape, dtype)
+    inputs.dy = random_array(rng, shape, dtype)
     return inputs
 
 
@@ -79,13 +81,7 @@ def backward_bytes_moved(shape, itemsize):
     return 3 * int(np.prod(shape)) * itemsize
 
 
-def _output_mode(out_buffer, has_out):
-    if not out_buffer:
-        return OUTPUT_NEW
-    return OUTPUT_REUSED if has_out else OUTPUT_NO_OUT
-
-
-# --- fastln ------------------------------------------------------------------------------------
+# --- fastln --------------------------------------------------------------------------------------
 
 def prepare_fastln_forward(inputs, num_threads, out_buffer):
     x, gamma, beta = inputs.x, inputs.gamma, inputs.beta
@@ -94,7 +90,7 @@ def prepare_fastln_forward(inputs, num_threads, out_buffer):
     def call():
         return fastln.layer_norm(x, gamma, beta, EPS, out=out, num_threads=num_threads)
 
-    return Prepared(call, _output_mode(out_buffer, True), threads=num_threads)
+    return Prepared(call, output_mode(out_buffer, True), threads=fastln_threads(num_threads))
 
 
 def prepare_fastln_backward(inputs, num_threads, out_buffer):
@@ -106,7 +102,7 @@ def prepare_fastln_backward(inputs, num_threads, out_buffer):
     def call():
         return fastln.layer_norm_backward(dy, cache, gamma, out=out, num_threads=num_threads)
 
-    return Prepared(call, _output_mode(out_buffer, True), threads=num_threads,
+    return Prepared(call, output_mode(out_buffer, True), threads=fastln_threads(num_threads),
                     result_arrays=tuple)
 
 
@@ -128,13 +124,6 @@ def numpy_naive_backward(dy, x, mean, rstd, gamma):
     return dx, dgamma, dbeta
 
 
-def _row_dots(a, b, out):
-    """sum(a * b, axis=-1) into out without an (n_rows, n_cols) temporary."""
-    if hasattr(np, "vecdot"):  # NumPy >= 2.0, the faster of the two
-        return np.vecdot(a, b, out=out)
-    return np.einsum("ij,ij->i", a, b, out=out)
-
-
 def _numpy_statistics(x):
     """Per-row mean and rstd as (n_rows, 1) columns in x's dtype (what a forward would cache)."""
     mean = x.mean(axis=-1, keepdims=True)
@@ -142,38 +131,34 @@ def _numpy_statistics(x):
     return mean.astype(x.dtype), rstd.astype(x.dtype)
 
 
-def _as_rows(array):
-    return array.reshape(-1, array.shape[-1])
-
-
 def prepare_numpy_naive_forward(inputs, num_threads, out_buffer):
     x, gamma, beta = inputs.x, inputs.gamma, inputs.beta
     return Prepared(lambda: numpy_naive_forward(x, gamma, beta, EPS),
-                    _output_mode(out_buffer, False))
+                    output_mode(out_buffer, False))
 
 
 def prepare_numpy_naive_backward(inputs, num_threads, out_buffer):
-    x, dy, gamma = _as_rows(inputs.x), _as_rows(inputs.dy), inputs.gamma
+    x, dy, gamma = as_rows(inputs.x), as_rows(inputs.dy), inputs.gamma
     mean, rstd = _numpy_statistics(x)
     return Prepared(lambda: numpy_naive_backward(dy, x, mean, rstd, gamma),
-                    _output_mode(out_buffer, False), result_arrays=tuple)
+                    output_mode(out_buffer, False), result_arrays=tuple)
 
 
-def prepare_numpy_inplace_forward(inputs, num_threads, out_buffer):
-    x, gamma, beta = _as_rows(inputs.x), inputs.gamma, inputs.beta
-    n_rows, n_cols = x.shape
-    # One (n_rows,) buffer per statistic, kept across calls like a training loop would.
-    mean = np.empty(n_rows, x.dtype)
-    rstd = np.empty(n_rows, x.dtype)
+def numpy_inplace_layer_norm(n_rows, dtype, gamma, beta):
+    """normalize(x, y) -> y: LayerNorm of the rows of a 2-D x into y, in place.
+
+    One (n_rows,) buffer per statistic, made here and kept across calls like a training loop
+    would.
+    """
+    mean = np.empty(n_rows, dtype)
+    rstd = np.empty(n_rows, dtype)
     mean_column, rstd_column = mean[:, None], rstd[:, None]
-    preallocated = np.empty_like(x) if out_buffer else None
 
-    def call():
-        y = preallocated if preallocated is not None else np.empty_like(x)
+    def normalize(x, y):
         np.mean(x, axis=1, out=mean)
         np.subtract(x, mean_column, out=y)             # y holds x - mean
-        _row_dots(y, y, out=rstd)                      # rstd holds sum((x - mean)^2)
-        np.divide(rstd, n_cols, out=rstd)
+        row_dots(y, y, out=rstd)                       # rstd holds sum((x - mean)^2)
+        np.divide(rstd, x.shape[1], out=rstd)
         np.add(rstd, EPS, out=rstd)
         np.sqrt(rstd, out=rstd)
         np.reciprocal(rstd, out=rstd)
@@ -182,12 +167,23 @@ def prepare_numpy_inplace_forward(inputs, num_threads, out_buffer):
         y += beta
         return y
 
-    return Prepared(call, _output_mode(out_buffer, True),
+    return normalize
+
+
+def prepare_numpy_inplace_forward(inputs, num_threads, out_buffer):
+    x = as_rows(inputs.x)
+    normalize = numpy_inplace_layer_norm(x.shape[0], x.dtype, inputs.gamma, inputs.beta)
+    preallocated = np.empty_like(x) if out_buffer else None
+
+    def call():
+        return normalize(x, preallocated if preallocated is not None else np.empty_like(x))
+
+    return Prepared(call, output_mode(out_buffer, True),
                     result_arrays=lambda y: (y.reshape(inputs.x.shape),))
 
 
 def prepare_numpy_inplace_backward(inputs, num_threads, out_buffer):
-    x, dy, gamma = _as_rows(inputs.x), _as_rows(inputs.dy), inputs.gamma
+    x, dy, gamma = as_rows(inputs.x), as_rows(inputs.dy), inputs.gamma
     n_rows, n_cols = x.shape
     mean, rstd = _numpy_statistics(x)
     # dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * gamma needs two full
@@ -208,7 +204,7 @@ def prepare_numpy_inplace_backward(inputs, num_threads, out_buffer):
         np.sum(dy, axis=0, out=dbeta)
         g = np.multiply(dy, gamma, out=scratch)
         np.mean(g, axis=1, out=g_mean)
-        _row_dots(g, x_hat, out=g_xhat_mean)
+        row_dots(g, x_hat, out=g_xhat_mean)
         np.divide(g_xhat_mean, n_cols, out=g_xhat_mean)
         x_hat *= g_xhat_mean[:, None]
         g -= g_mean[:, None]
@@ -216,33 +212,21 @@ def prepare_numpy_inplace_backward(inputs, num_threads, out_buffer):
         np.multiply(g, rstd, out=dx)
         return dx, dgamma, dbeta
 
-    return Prepared(call, _output_mode(out_buffer, True), result_arrays=tuple)
+    return Prepared(call, output_mode(out_buffer, True), result_arrays=tuple)
 
 
 # --- PyTorch -------------------------------------------------------------------------------------
 
-def _torch_with_threads(num_threads):
-    import torch
-
-    torch.set_num_threads(num_threads)
-    return torch
-
-
-def _torch_thread_setter(torch, num_threads):
-    # Process-wide: set again before each sample, as calls with other counts may run between.
-    return lambda: torch.set_num_threads(num_threads)
-
-
 def _torch_tensors(torch, inputs):
     # from_numpy shares memory: no copy, and torch reads exactly the arrays the others read.
-    x = torch.from_numpy(_as_rows(inputs.x))
+    x = torch.from_numpy(as_rows(inputs.x))
     gamma = torch.from_numpy(inputs.gamma)
     beta = torch.from_numpy(inputs.beta)
     return x, gamma, beta
 
 
 def prepare_torch_forward(inputs, num_threads, out_buffer):
-    torch = _torch_with_threads(num_threads)
+    torch = torch_with_threads(num_threads)
     n_cols = inputs.n_cols
     x, gamma, beta = _torch_tensors(torch, inputs)
     layer_norm = torch.nn.functional.layer_norm
@@ -250,16 +234,16 @@ def prepare_torch_forward(inputs, num_threads, out_buffer):
     def call():
         return layer_norm(x, (n_cols,), gamma, beta, EPS)
 
-    return Prepared(call, _output_mode(out_buffer, False), threads=num_threads,
+    return Prepared(call, output_mode(out_buffer, False), threads=num_threads,
                     result_arrays=lambda y: (y.numpy(),),
-                    before_sample=_torch_thread_setter(torch, num_threads))
+                    before_sample=torch_thread_setter(torch, num_threads))
 
 
 def prepare_torch_backward(inputs, num_threads, out_buffer):
-    torch = _torch_with_threads(num_threads)
+    torch = torch_with_threads(num_threads)
     n_cols = inputs.n_cols
     x, gamma, beta = _torch_tensors(torch, inputs)
-    dy = torch.from_numpy(_as_rows(inputs.dy))
+    dy = torch.from_numpy(as_rows(inputs.dy))
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [n_cols], gamma, beta, EPS)
     backward = torch.ops.aten.native_layer_norm_backward
     output_mask = [True, True, True]
@@ -267,27 +251,18 @@ def prepare_torch_backward(inputs, num_threads, out_buffer):
     def call():
         return backward(dy, x, [n_cols], mean, rstd, gamma, beta, output_mask)
 
-    return Prepared(call, _output_mode(out_buffer, False), threads=num_threads,
+    return Prepared(call, output_mode(out_buffer, False), threads=num_threads,
                     result_arrays=lambda grads: tuple(g.numpy() for g in grads),
-                    before_sample=_torch_thread_setter(torch, num_threads))
+                    before_sample=torch_thread_setter(torch, num_threads))
 
 
 # --- ONNX Runtime --------------------------------------------------------------------------------
 
-_onnx_sessions = {}
+def _onnx_layer_norm_model(dtype):
+    """LayerNormalization (opset 17) over the last axis of (rows, cols)."""
+    from onnx import helper
 
-
-def _onnx_layer_norm_session(dtype, num_threads):
-    """An InferenceSession for LayerNormalization (opset 17) over the last axis, cached."""
-    key = (np.dtype(dtype), num_threads)
-    if key in _onnx_sessions:
-        return _onnx_sessions[key]
-    import onnx
-    import onnxruntime
-    from onnx import TensorProto, helper
-
-    element_type = {np.dtype(np.float32): TensorProto.FLOAT,
-                    np.dtype(np.float64): TensorProto.DOUBLE}[np.dtype(dtype)]
+    element_type = onnx_element_type(dtype)
     graph = helper.make_graph(
         [helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"],
                           axis=-1, epsilon=EPS)],
@@ -299,25 +274,17 @@ def _onnx_layer_norm_session(dtype, num_threads):
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = min(model.ir_version, 8)  # readable by older runtimes too
-    onnx.checker.check_model(model)
+    return model
 
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = num_threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
-    # ONNX Runtime's idle workers spin, waiting for the next run: measured interleaved, they
-    # would take the cores away from whichever implementation runs next. fastln's and torch's
-    # OpenMP workers spin only briefly before they sleep; let ONNX Runtime's sleep too.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
-    _onnx_sessions[key] = session
-    return session
+
+def _onnx_layer_norm_session(dtype, num_threads):
+    """An InferenceSession for LayerNormalization (opset 17) over the last axis, cached."""
+    return onnxruntime_session(("layer_norm", np.dtype(dtype)),
+                               lambda: _onnx_layer_norm_model(dtype), num_threads)
 
 
 def prepare_onnxruntime_forward(inputs, num_threads, out_buffer):
-    x, gamma, beta = _as_rows(inputs.x), inputs.gamma, inputs.beta
+    x, gamma, beta = as_rows(inputs.x), inputs.gamma, inputs.beta
     session = _onnx_layer_norm_session(x.dtype, num_threads)
     if not out_buffer:
         feed = {"x": x, "scale": gamma, "bias": beta}
@@ -339,7 +306,7 @@ def prepare_onnxruntime_forward(inputs, num_threads, out_buffer):
     return Prepared(call, OUTPUT_REUSED, threads=num_threads)
 
 
-# --- the operations --------------------------------------------------------------------------------
+# --- the operations ------------------------------------------------------------------------------
 
 FORWARD = Operation(
     name="forward",
