@@ -6,12 +6,20 @@ aligned, in native byte order and with matching float32/float64 dtypes. This mod
 their data pointers, releases the GIL and runs the rows in an OpenMP prange.
 """
 from cython.parallel cimport prange
-from libc.math cimport INFINITY
 from libc.stdlib cimport calloc, free
 from libc.stdint cimport int64_t
 
 cimport numpy as cnp
 
+from fastln._fastpath cimport (
+    _fast_num_threads,
+    _is_fast_eps,
+    _is_fast_out,
+    _is_kernel_array,
+    _is_param,
+    _overlaps,
+    _same_shape,
+)
 from fastln._openmp cimport fastln_openmp_enabled, fastln_openmp_max_threads
 
 cnp.import_array()
@@ -72,69 +80,12 @@ cdef inline void* _data(object array):
 
 # ---------------------------------------------------------------------------------------------
 # Fast path. The common call - C-contiguous native float32/float64 arrays, axis=-1, nothing
-# unusual - is recognised here with a few C-level checks instead of the general Python checks,
-# because for one 768-wide row those checks would cost ten times the arithmetic. Anything the
-# fast path does not recognise (including every invalid argument) returns None, and the caller
-# takes the general path, which does the full checking and raises the errors.
+# unusual - is recognised here with a few C-level checks (fastln/_fastpath.pxd) instead of the
+# general Python checks, because for one 768-wide row those checks would cost ten times the
+# arithmetic. Anything the fast path does not recognise (including every invalid argument)
+# returns None, and the caller takes the general path, which does the full checking and raises
+# the errors.
 # ---------------------------------------------------------------------------------------------
-
-cdef inline bint _is_kernel_array(object value, int typenum):
-    """An exact ndarray of typenum: C-contiguous, aligned, native byte order."""
-    if type(value) is not cnp.ndarray:
-        return False
-    cdef cnp.ndarray array = <cnp.ndarray>value
-    return (cnp.PyArray_TYPE(array) == typenum and cnp.PyArray_ISCARRAY_RO(array)
-            and cnp.PyArray_ISNOTSWAPPED(array))
-
-
-cdef inline bint _is_param(object value, int typenum, Py_ssize_t n_cols):
-    """None, or a 1-D kernel array of n_cols elements."""
-    if value is None:
-        return True
-    return (_is_kernel_array(value, typenum) and cnp.PyArray_NDIM(<cnp.ndarray>value) == 1
-            and cnp.PyArray_DIM(<cnp.ndarray>value, 0) == n_cols)
-
-
-cdef inline bint _overlaps(object a, object b):
-    """Whether the memory of two contiguous arrays (or None) intersects."""
-    if a is None or b is None:
-        return False
-    cdef char *a_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>a)
-    cdef char *b_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>b)
-    return (a_start < b_start + cnp.PyArray_NBYTES(<cnp.ndarray>b)
-            and b_start < a_start + cnp.PyArray_NBYTES(<cnp.ndarray>a))
-
-
-cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
-    cdef int ndim = cnp.PyArray_NDIM(a)
-    cdef int axis
-    if cnp.PyArray_NDIM(b) != ndim:
-        return False
-    for axis in range(ndim):
-        if cnp.PyArray_DIM(a, axis) != cnp.PyArray_DIM(b, axis):
-            return False
-    return True
-
-
-cdef inline int _fast_num_threads(object num_threads):
-    """The thread count, or 0 when the value needs the general path's checking."""
-    if num_threads is None:
-        return fastln_openmp_max_threads()
-    if type(num_threads) is int and num_threads >= 1:
-        return min(<long>num_threads, 1 << 20)
-    return 0
-
-
-cdef inline bint _is_fast_eps(object eps):
-    return type(eps) is float and 0.0 <= <double>eps < INFINITY
-
-
-cdef inline bint _is_fast_out(object out, cnp.ndarray like):
-    """None, or a writeable kernel array of like's dtype and shape."""
-    if out is None:
-        return True
-    return (_is_kernel_array(out, cnp.PyArray_TYPE(like))
-            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out) and _same_shape(<cnp.ndarray>out, like))
 
 
 def layer_norm_forward_fast(object x, object gamma, object beta, object eps, object axis,
