@@ -409,7 +409,7 @@ def _x():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(x=np.ones((2, 3), complex)), TypeError, "x has dtype complex128"),
     (dict(x=np.array(["a", "b"])), TypeError, "x"),
-    (dict(x=np.ones((2, 3), np.float16)), TypeError, "x has dtype float16"),
+    (dict(x=np.ones((2, 3), np.longdouble)), TypeError, "x has dtype float128"),
     (dict(x=np.float64(3.0)), ValueError, "x must have at least 1 dimension"),
     (dict(x=np.ones((3, 0))), ValueError, "empty"),
     (dict(axis=2), ValueError, "axis 2 is out of bounds"),

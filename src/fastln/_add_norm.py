@@ -6,7 +6,7 @@ sum). The caches are the plain LayerNorm / RMSNorm caches of s, so the ordinary 
 """
 import numpy as np
 
-from fastln import _family_kernels
+from fastln import _family_kernels, _half_kernels
 from fastln._layer_norm import LayerNormCache
 from fastln._rms_norm import RMSNormCache
 from fastln._validation import (
@@ -16,6 +16,9 @@ from fastln._validation import (
     check_input,
     check_out,
     check_param,
+    compute_dtype,
+    half_kind,
+    is_half,
     normalize_axis,
     output_dtype,
     protect_from_output,
@@ -27,7 +30,7 @@ from fastln._validation import (
 def check_residual(residual, x):
     """residual: a real array of exactly x's shape (no broadcasting); cast later to y's dtype."""
     residual = as_array(residual, "residual")
-    output_dtype(residual.dtype, "residual")  # TypeError for complex, object, string, ...
+    output_dtype(residual.dtype, "residual", allow_half=True)  # TypeError for complex, object, ...
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {residual.shape}, expected x.shape = {x.shape}")
     return residual
@@ -36,14 +39,15 @@ def check_residual(residual, x):
 def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
              keep_cache):
     name = "add_rms_norm" if rms else "add_layer_norm"
-    x, dtype = check_input(x)
+    x, dtype = check_input(x, allow_half=True)
+    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16 x, else dtype
     residual = check_residual(residual, x)
     axis = normalize_axis(axis, x.ndim)
     n_rows, n_cols = rows_and_cols(x.shape, axis)
     normalized_shape = x.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
-    beta = None if rms else check_param(beta, "beta", normalized_shape, dtype)
-    bias = check_param(bias, "bias", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
+    beta = None if rms else check_param(beta, "beta", normalized_shape, stats_dtype)
+    bias = check_param(bias, "bias", normalized_shape, stats_dtype)
     eps = check_eps(eps)
     num_threads = resolve_num_threads(num_threads)
     y = np.empty(x.shape, dtype) if out is None else check_out(out, x.shape, dtype)
@@ -68,17 +72,22 @@ def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_t
 
     mean = rstd = None
     if keep_cache:
-        rstd = np.empty(n_rows, dtype)
-        mean = None if rms else np.empty(n_rows, dtype)
-    _family_kernels.add_norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows, y_rows,
-                                     mean, rstd, rms, eps, num_threads)
+        rstd = np.empty(n_rows, stats_dtype)
+        mean = None if rms else np.empty(n_rows, stats_dtype)
+    if is_half(dtype):
+        _half_kernels.norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows, y_rows,
+                                   mean, rstd, rms, eps, half_kind(dtype), num_threads)
+    else:
+        _family_kernels.add_norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows,
+                                         y_rows, mean, rstd, rms, eps, num_threads)
     if not keep_cache:
         return y, s
     batch_shape = x.shape[:axis]
     if rms:
-        cache = RMSNormCache(s, rstd.reshape(batch_shape), axis, eps)
+        cache = RMSNormCache(s, rstd.reshape(batch_shape), axis, eps, dtype)
     else:
-        cache = LayerNormCache(s, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps)
+        cache = LayerNormCache(s, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps,
+                               dtype)
     return y, s, cache
 
 
@@ -86,7 +95,10 @@ _SHARED_DOC = """
     ``s = x + residual + bias`` is computed in float64 and rounded once to the output dtype (for
     float32 without bias that is exactly NumPy's ``x + residual``), and y is bitwise what the
     unfused normalization of that s gives. The output dtype is x's (see
-    :func:`fastln.layer_norm`); residual and bias are cast to it.
+    :func:`fastln.layer_norm`); residual and bias are cast to it. For float16/bfloat16 x, s is
+    rounded to float32 and then to x's format (for float16 without bias exactly NumPy's
+    ``x + residual``, which adds in float32), residual is cast to x's format and gamma, beta and
+    bias to float32.
 
     Parameters
     ----------
@@ -174,7 +186,16 @@ add_layer_norm_forward.__doc__ = """Like :func:`add_layer_norm`, and also return
         The LayerNorm cache of s (``cache.x is s``): pass it to
         :func:`fastln.layer_norm_backward`. It refers to s without copying it, so s (which may
         be ``residual`` when ``sum_out=residual``) must not be modified before the backward.
-""" + _GRADIENT_DOC.format(backward="fastln.layer_norm_backward")
+""" + _GRADIENT_DOC.format(backward="fastln.layer_norm_backward") + """
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> x, residual = np.array([[1.0, 2.0, 3.0]]), np.array([[9.0, 18.0, 57.0]])
+    >>> y, s, cache = fastln.add_layer_norm_forward(x, residual)
+    >>> ds, dgamma, dbeta = fastln.layer_norm_backward(np.ones_like(y), cache)
+    >>> cache.x is s, cache.mean
+    (True, array([30.]))
+    """
 
 add_rms_norm.__doc__ = """Fused residual add + RMSNorm: ``s = x + residual (+ bias)``,
     ``y = rms_norm(s, gamma, eps)``, in one pass (pre-norm transformer inference).
@@ -183,6 +204,14 @@ add_rms_norm.__doc__ = """Fused residual add + RMSNorm: ``s = x + residual (+ bi
     -------
     y : ndarray of x's shape (``out`` when given)
     s : ndarray of x's shape (``sum_out`` when given)
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> stream = np.array([[1.0, 2.0]])
+    >>> y, s = fastln.add_rms_norm(np.array([[2.0, 2.0]]), stream, eps=0.0, sum_out=stream)
+    >>> stream, y.round(4)                 # the residual stream updated in place
+    (array([[3., 4.]]), array([[0.8485, 1.1314]]))
     """
 
 add_rms_norm_forward.__doc__ = """Like :func:`add_rms_norm`, and also returns a cache for
@@ -194,4 +223,12 @@ add_rms_norm_forward.__doc__ = """Like :func:`add_rms_norm`, and also returns a 
     cache : RMSNormCache
         The RMSNorm cache of s (``cache.x is s``): pass it to :func:`fastln.rms_norm_backward`.
         It refers to s without copying it, so s must not be modified before the backward.
-""" + _GRADIENT_DOC.format(backward="fastln.rms_norm_backward")
+""" + _GRADIENT_DOC.format(backward="fastln.rms_norm_backward") + """
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> y, s, cache = fastln.add_rms_norm_forward(np.array([[2.0, 2.0]]),
+    ...                                           np.array([[1.0, 2.0]]), eps=0.0)
+    >>> s, cache.rstd.round(6)
+    (array([[3., 4.]]), array([0.282843]))
+    """

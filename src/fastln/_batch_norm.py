@@ -246,7 +246,8 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
     ----------
     x : array_like
         float32 and float64 are computed as they are; integer and bool as float64. Any strides,
-        order or byte order.
+        order or byte order. BatchNorm has no half-precision kernel: float16 and bfloat16 are a
+        TypeError (convert with ``x.astype(np.float32)``).
     gamma, beta : array_like of shape ``(x.shape[axis],)``, optional
         Per-feature scale and shift, cast to the output dtype; None means ones and zeros.
     running_mean, running_var : ndarray of shape ``(x.shape[axis],)``, optional
@@ -304,6 +305,14 @@ def batch_norm_forward(x, gamma=None, beta=None, running_mean=None, running_var=
         ``cache.mean`` and ``cache.rstd`` (float64, one per feature) are the statistics y was
         normalized with. The cache refers to x without copying it: do not modify x before
         calling the backward. For the same reason ``out`` may not overlap x here.
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> y, cache = fastln.batch_norm_forward(np.array([[1.0, 10.0], [3.0, 30.0]]),
+    ...                                      training=True, eps=0.0)
+    >>> cache.mean, cache.rstd
+    (array([ 2., 20.]), array([1. , 0.1]))
     """
     return _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis,
                     out, num_threads, keep_cache=True)
@@ -339,6 +348,15 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dx : ndarray of x's shape
     dgamma, dbeta : ndarray of shape ``(x.shape[axis],)``
         Identical for every ``num_threads``; returned even when gamma/beta were None.
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> x = np.array([[1.0], [2.0], [6.0]])          # one feature, three samples
+    >>> y, cache = fastln.batch_norm_forward(x, training=True, eps=0.0)
+    >>> dx, dgamma, dbeta = fastln.batch_norm_backward(np.array([[1.0], [0.0], [0.0]]), cache)
+    >>> dx.ravel().round(4), dgamma.round(4), dbeta
+    (array([ 0.1763, -0.2204,  0.0441]), array([-0.9258]), array([1.]))
     """
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "batch_norm")

@@ -1,7 +1,7 @@
 """fastln.layer_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
 import numpy as np
 
-from fastln import _kernels
+from fastln import _half_kernels, _kernels
 from fastln._validation import (
     as_array,
     as_kernel_array,
@@ -10,6 +10,9 @@ from fastln._validation import (
     check_out,
     check_out_keeps_x,
     check_param,
+    compute_dtype,
+    half_kind,
+    is_half,
     normalize_axis,
     protect_from_output,
     resolve_num_threads,
@@ -22,7 +25,7 @@ class LayerNormCache:
 
     Attributes
     ----------
-    mean, rstd : ndarray of shape x.shape[:axis], in y's dtype
+    mean, rstd : ndarray of shape x.shape[:axis], in y's dtype (float32 for float16/bfloat16)
         Each row's mean and 1 / sqrt(var + eps).
     x : ndarray
         The forward's input itself, not a copy: it must not be modified before the backward.
@@ -32,14 +35,15 @@ class LayerNormCache:
     """
 
     op = "layer_norm"
-    __slots__ = ("x", "mean", "rstd", "axis", "eps")
+    __slots__ = ("x", "mean", "rstd", "axis", "eps", "_dtype")
 
-    def __init__(self, x, mean, rstd, axis, eps):
+    def __init__(self, x, mean, rstd, axis, eps, dtype=None):
         self.x = x
         self.mean = mean
         self.rstd = rstd
         self.axis = axis
         self.eps = eps
+        self._dtype = dtype  # y's dtype when it differs from the statistics' (half precision)
 
     @property
     def shape(self):
@@ -47,7 +51,8 @@ class LayerNormCache:
 
     @property
     def dtype(self):
-        return self.mean.dtype
+        """y's dtype."""
+        return self.mean.dtype if self._dtype is None else self._dtype
 
     def __repr__(self):
         return (f"LayerNormCache(shape={self.shape}, axis={self.axis}, "
@@ -55,12 +60,13 @@ class LayerNormCache:
 
 
 def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
-    x, dtype = check_input(x)
+    x, dtype = check_input(x, allow_half=True)
+    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16 x, else dtype
     axis = normalize_axis(axis, x.ndim)
     n_rows, n_cols = rows_and_cols(x.shape, axis)
     normalized_shape = x.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
-    beta = check_param(beta, "beta", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
+    beta = check_param(beta, "beta", normalized_shape, stats_dtype)
     eps = check_eps(eps)
     num_threads = resolve_num_threads(num_threads)
 
@@ -78,13 +84,18 @@ def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
 
     mean = rstd = None
     if keep_cache:
-        mean = np.empty(n_rows, dtype)
-        rstd = np.empty(n_rows, dtype)
-    _kernels.layer_norm_forward(x_rows, gamma, beta, y_rows, mean, rstd, eps, num_threads)
+        mean = np.empty(n_rows, stats_dtype)
+        rstd = np.empty(n_rows, stats_dtype)
+    if is_half(dtype):
+        _half_kernels.norm_forward(x_rows, None, None, gamma, beta, None, y_rows, mean, rstd,
+                                   False, eps, half_kind(dtype), num_threads)
+    else:
+        _kernels.layer_norm_forward(x_rows, gamma, beta, y_rows, mean, rstd, eps, num_threads)
     if not keep_cache:
         return y
     batch_shape = x.shape[:axis]
-    return y, LayerNormCache(x, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps)
+    return y, LayerNormCache(x, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps,
+                             dtype)
 
 
 def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
@@ -96,10 +107,12 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
     Parameters
     ----------
     x : array_like
-        float32 and float64 are computed as they are; integer and bool as float64. Any strides,
-        order or byte order.
+        float32 and float64 are computed as they are; integer and bool as float64. float16 and
+        bfloat16 (``ml_dtypes``) are computed in float32 row by row (no full-size float32 copy)
+        and returned in their own format. Any strides, order or byte order.
     gamma, beta : array_like of shape ``x.shape[axis:]``, optional
-        Scale and shift, cast to the output dtype; None means ones and zeros.
+        Scale and shift, cast to the output dtype (to float32 for float16/bfloat16 x); None
+        means ones and zeros.
     eps : float, default 1e-5
         Added to the variance; a finite number >= 0.
     axis : int, default -1
@@ -136,6 +149,13 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
         ``cache.mean`` and ``cache.rstd`` have shape ``x.shape[:axis]`` and y's dtype. The cache
         refers to x without copying it: do not modify x before calling the backward. For the
         same reason ``out`` may not overlap x here.
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> y, cache = fastln.layer_norm_forward(np.array([[10.0, 20.0, 60.0]]))
+    >>> cache.mean, cache.rstd.round(5)
+    (array([30.]), array([0.04629]))
     """
     result = _kernels.layer_norm_forward_fast(x, gamma, beta, eps, axis, out, num_threads, True)
     if result is not None:
@@ -155,7 +175,7 @@ def check_cache(cache, dy, op):
     if dy.shape != cache.shape:
         raise ValueError(f"dy has shape {dy.shape}, but the cache is for x of shape "
                          f"{cache.shape}")
-    if dy.dtype.kind != "f" or dy.dtype.itemsize != cache.dtype.itemsize:
+    if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != cache.dtype:
         raise ValueError(f"dy has dtype {dy.dtype.name}, expected {cache.dtype.name} "
                          "(the dtype of the forward's y)")
 
@@ -179,7 +199,23 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     -------
     dx : ndarray of x's shape
     dgamma, dbeta : ndarray of shape ``x.shape[axis:]``
-        Sums over the rows, identical for every ``num_threads``.
+        Sums over the rows, identical for every ``num_threads``; in y's dtype, except float32
+        for float16/bfloat16 (a sum over many rows would overflow float16).
+
+    Raises
+    ------
+    ValueError
+        When dy's shape or dtype is not the forward's y's, or the cache is of another operation
+        (TypeError when it is not a cache at all).
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> x = np.array([[10.0, 20.0, 60.0], [1.0, 2.0, 3.0]])
+    >>> y, cache = fastln.layer_norm_forward(x)
+    >>> dx, dgamma, dbeta = fastln.layer_norm_backward(np.ones_like(y), cache)
+    >>> bool(np.abs(dx).max() < 1e-12), dbeta    # a constant dy does not move x_hat
+    (True, array([2., 2., 2.]))
     """
     if type(cache) is LayerNormCache and cache.axis == cache.x.ndim - 1:
         result = _kernels.layer_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd, gamma,
@@ -189,10 +225,11 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "layer_norm")
     dtype = cache.dtype
+    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16, else dtype
     axis = cache.axis
     n_rows, n_cols = rows_and_cols(cache.shape, axis)
     normalized_shape = cache.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     num_threads = resolve_num_threads(num_threads)
 
     dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
@@ -202,11 +239,16 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy_rows = protect_from_output(dy_rows, dx_rows)
     x_rows = protect_from_output(x_rows, dx_rows)
     gamma = protect_from_output(gamma, dx_rows)
-    mean = as_kernel_array(cache.mean, dtype).reshape(n_rows)
-    rstd = as_kernel_array(cache.rstd, dtype).reshape(n_rows)
+    mean = as_kernel_array(cache.mean, stats_dtype).reshape(n_rows)
+    rstd = as_kernel_array(cache.rstd, stats_dtype).reshape(n_rows)
 
-    dgamma = np.empty(normalized_shape, dtype)
-    dbeta = np.empty(normalized_shape, dtype)
-    _kernels.layer_norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
-                                 dgamma.reshape(-1), dbeta.reshape(-1), num_threads)
+    dgamma = np.empty(normalized_shape, stats_dtype)
+    dbeta = np.empty(normalized_shape, stats_dtype)
+    if is_half(dtype):
+        _half_kernels.norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
+                                    dgamma.reshape(-1), dbeta.reshape(-1), False, half_kind(dtype),
+                                    num_threads)
+    else:
+        _kernels.layer_norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
+                                     dgamma.reshape(-1), dbeta.reshape(-1), num_threads)
     return dx, dgamma, dbeta

@@ -1,7 +1,7 @@
 """fastln.rms_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
 import numpy as np
 
-from fastln import _family_kernels
+from fastln import _family_kernels, _half_kernels
 from fastln._layer_norm import check_cache
 from fastln._validation import (
     as_array,
@@ -10,6 +10,9 @@ from fastln._validation import (
     check_input,
     check_out,
     check_param,
+    compute_dtype,
+    half_kind,
+    is_half,
     normalize_axis,
     protect_from_output,
     resolve_num_threads,
@@ -22,7 +25,7 @@ class RMSNormCache:
 
     Attributes
     ----------
-    rstd : ndarray of shape x.shape[:axis], in y's dtype
+    rstd : ndarray of shape x.shape[:axis], in y's dtype (float32 for float16/bfloat16)
         Each row's 1 / sqrt(mean(x**2) + eps).
     x : ndarray
         The forward's input itself, not a copy: it must not be modified before the backward.
@@ -33,13 +36,14 @@ class RMSNormCache:
     """
 
     op = "rms_norm"
-    __slots__ = ("x", "rstd", "axis", "eps")
+    __slots__ = ("x", "rstd", "axis", "eps", "_dtype")
 
-    def __init__(self, x, rstd, axis, eps):
+    def __init__(self, x, rstd, axis, eps, dtype=None):
         self.x = x
         self.rstd = rstd
         self.axis = axis
         self.eps = eps
+        self._dtype = dtype  # y's dtype when it differs from the statistics' (half precision)
 
     @property
     def shape(self):
@@ -47,7 +51,8 @@ class RMSNormCache:
 
     @property
     def dtype(self):
-        return self.rstd.dtype
+        """y's dtype."""
+        return self.rstd.dtype if self._dtype is None else self._dtype
 
     def __repr__(self):
         return (f"RMSNormCache(shape={self.shape}, axis={self.axis}, "
@@ -55,10 +60,11 @@ class RMSNormCache:
 
 
 def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
-    x, dtype = check_input(x)
+    x, dtype = check_input(x, allow_half=True)
+    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16 x, else dtype
     axis = normalize_axis(axis, x.ndim)
     n_rows, n_cols = rows_and_cols(x.shape, axis)
-    gamma = check_param(gamma, "gamma", x.shape[axis:], dtype)
+    gamma = check_param(gamma, "gamma", x.shape[axis:], stats_dtype)
     eps = check_eps(eps)
     num_threads = resolve_num_threads(num_threads)
 
@@ -74,11 +80,15 @@ def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
     x_rows = protect_from_output(x_rows, y_rows)
     gamma = protect_from_output(gamma, y_rows)
 
-    rstd = np.empty(n_rows, dtype) if keep_cache else None
-    _family_kernels.rms_norm_forward(x_rows, gamma, y_rows, rstd, eps, num_threads)
+    rstd = np.empty(n_rows, stats_dtype) if keep_cache else None
+    if is_half(dtype):
+        _half_kernels.norm_forward(x_rows, None, None, gamma, None, None, y_rows, None, rstd,
+                                   True, eps, half_kind(dtype), num_threads)
+    else:
+        _family_kernels.rms_norm_forward(x_rows, gamma, y_rows, rstd, eps, num_threads)
     if not keep_cache:
         return y
-    return y, RMSNormCache(x, rstd.reshape(x.shape[:axis]), axis, eps)
+    return y, RMSNormCache(x, rstd.reshape(x.shape[:axis]), axis, eps, dtype)
 
 
 def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
@@ -94,10 +104,11 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     Parameters
     ----------
     x : array_like
-        float32 and float64 are computed as they are; integer and bool as float64. Any strides,
-        order or byte order.
+        float32 and float64 are computed as they are; integer and bool as float64. float16 and
+        bfloat16 (``ml_dtypes``) are computed in float32 row by row (no full-size float32 copy)
+        and returned in their own format. Any strides, order or byte order.
     gamma : array_like of shape ``x.shape[axis:]``, optional
-        Scale, cast to the output dtype; None means ones.
+        Scale, cast to the output dtype (to float32 for float16/bfloat16 x); None means ones.
     eps : float, default 1e-5
         Added to the mean of squares; a finite number >= 0.
     axis : int, default -1
@@ -131,6 +142,13 @@ def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=
         ``cache.rstd`` has shape ``x.shape[:axis]`` and y's dtype. The cache refers to x
         without copying it: do not modify x before calling the backward. For the same reason
         ``out`` may not overlap x here.
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> y, cache = fastln.rms_norm_forward(np.array([[3.0, 4.0]]), eps=0.0)
+    >>> cache.rstd.round(6)
+    array([0.282843])
     """
     return _forward(x, gamma, eps, axis, out, num_threads, keep_cache=True)
 
@@ -160,15 +178,25 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dx : ndarray of x's shape
     dgamma : ndarray of shape ``x.shape[axis:]``
         Sum over the rows, identical for every ``num_threads``; returned even when gamma is
-        None.
+        None. In y's dtype, except float32 for float16/bfloat16.
+
+    Examples
+    --------
+    >>> import numpy as np, fastln
+    >>> x = np.array([[3.0, 4.0]])
+    >>> y, cache = fastln.rms_norm_forward(x, eps=0.0)
+    >>> dx, dgamma = fastln.rms_norm_backward(x, cache)   # dy parallel to x: dx = 0
+    >>> bool(np.abs(dx).max() < 1e-15), dgamma.round(4)
+    (True, array([2.5456, 4.5255]))
     """
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "rms_norm")
     dtype = cache.dtype
+    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16, else dtype
     axis = cache.axis
     n_rows, n_cols = rows_and_cols(cache.shape, axis)
     normalized_shape = cache.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     num_threads = resolve_num_threads(num_threads)
 
     dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
@@ -178,9 +206,13 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy_rows = protect_from_output(dy_rows, dx_rows)
     x_rows = protect_from_output(x_rows, dx_rows)
     gamma = protect_from_output(gamma, dx_rows)
-    rstd = as_kernel_array(cache.rstd, dtype).reshape(n_rows)
+    rstd = as_kernel_array(cache.rstd, stats_dtype).reshape(n_rows)
 
-    dgamma = np.empty(normalized_shape, dtype)
-    _family_kernels.rms_norm_backward(dy_rows, x_rows, gamma, rstd, dx_rows, dgamma.reshape(-1),
-                                      num_threads)
+    dgamma = np.empty(normalized_shape, stats_dtype)
+    if is_half(dtype):
+        _half_kernels.norm_backward(dy_rows, x_rows, gamma, None, rstd, dx_rows,
+                                    dgamma.reshape(-1), None, True, half_kind(dtype), num_threads)
+    else:
+        _family_kernels.rms_norm_backward(dy_rows, x_rows, gamma, rstd, dx_rows,
+                                          dgamma.reshape(-1), num_threads)
     return dx, dgamma

@@ -18,20 +18,55 @@ def _describe_dtype(dtype):
     return dtype.name if dtype.isnative else f"{dtype.name} ({dtype.str})"
 
 
-def output_dtype(dtype, name="x"):
+FLOAT32 = FLOAT_DTYPES[0]
+
+
+def is_bfloat16(dtype):
+    """The bfloat16 of the ml_dtypes package (recognised without importing it)."""
+    return dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
+
+
+def is_half(dtype):
+    """float16 or bfloat16: computed in float32 by the row kernels, stored in 16 bits."""
+    return (dtype.kind == "f" and dtype.itemsize == 2) or is_bfloat16(dtype)
+
+
+def half_kind(dtype):
+    """The `kind` code of fastln._half_kernels: 0 for float16, 1 for bfloat16."""
+    return 1 if is_bfloat16(dtype) else 0
+
+
+def compute_dtype(dtype):
+    """The dtype of the parameters (gamma, beta, bias) and statistics for output `dtype`:
+    float32 for the half formats (the precision they are computed in), else `dtype` itself."""
+    return FLOAT32 if is_half(dtype) else dtype
+
+
+def output_dtype(dtype, name="x", allow_half=False):
     """The dtype fastln computes and returns for an input of `dtype` (native byte order).
 
     float32 and float64 keep their type; integer and bool inputs are converted to float64, as
-    NumPy's reductions do. Everything else is a TypeError.
+    NumPy's reductions do. With `allow_half` (the functions that have half-precision kernels:
+    layer_norm, rms_norm and the fused add variants), float16 and ml_dtypes' bfloat16 keep their
+    type too. Everything else is a TypeError.
     """
     if dtype.kind == "f" and dtype.itemsize in (4, 8):
         return dtype.newbyteorder("=")
     if dtype.kind in "biu":
         return FLOAT_DTYPES[1]
+    if is_half(dtype):
+        if allow_half:
+            return dtype.newbyteorder("=")
+        raise TypeError(
+            f"{name} has dtype {dtype.name}, which this function has no kernel for; expected "
+            f"float32 or float64 (half precision is supported by layer_norm, rms_norm, "
+            f"add_layer_norm and add_rms_norm; convert with {name}.astype(np.float32))"
+        )
     if dtype.kind == "f":
+        expected = "float16, bfloat16, float32 or float64" if allow_half else "float32 or float64"
         raise TypeError(
             f"{name} has dtype {dtype.name}, which fastln has no kernel for; "
-            f"expected float32 or float64 (convert with {name}.astype(np.float32))"
+            f"expected {expected} (convert with {name}.astype(np.float32))"
         )
     raise TypeError(
         f"{name} has dtype {_describe_dtype(dtype)}; expected a real floating, integer or bool "
@@ -100,10 +135,10 @@ def as_kernel_array(array, dtype):
     return np.require(array, dtype=dtype, requirements="CA")
 
 
-def check_input(x, name="x"):
+def check_input(x, name="x", allow_half=False):
     """x as an ndarray with at least one dimension, and the dtype the result will have."""
     x = as_array(x, name)
-    dtype = output_dtype(x.dtype, name)
+    dtype = output_dtype(x.dtype, name, allow_half)
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least 1 dimension, got a 0-d array")
     return x, dtype
@@ -114,7 +149,7 @@ def check_param(param, name, expected_shape, dtype):
     if param is None:
         return None
     array = as_array(param, name)
-    if array.dtype.kind not in "biuf":
+    if array.dtype.kind not in "biuf" and not is_half(array.dtype):
         raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
                         f"floating, integer or bool array (it is cast to {dtype.name})")
     if array.shape != tuple(expected_shape):

@@ -1,7 +1,9 @@
 """The readable reference: the lessons' LAYER_NORM_FORWARD / LAYER_NORM_BACKWARD, line by line.
 
 A loop over rows in float64, written to be checked by eye, not to be fast. Every kernel in
-fastln is tested against these functions. They take the same arguments and raise the same
+fastln is tested against these functions. float16 and bfloat16 inputs are computed in float64
+too and rounded once to their format (their gamma, beta and bias are taken as float32, and their
+caches hold float32 statistics, as fastln's do). They take the same arguments and raise the same
 errors as the fast ones (the argument checks are shared); ``num_threads`` is checked and ignored.
 """
 import math
@@ -16,6 +18,8 @@ from fastln._validation import (
     check_out,
     check_out_keeps_x,
     check_param,
+    compute_dtype,
+    is_half,
     normalize_axis,
     resolve_num_threads,
     rows_and_cols,
@@ -46,12 +50,13 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     The cache is a :class:`fastln.LayerNormCache` (x itself plus each row's mean and rstd), the
     same as fastln's, so caches work across the two implementations.
     """
-    x, dtype = check_input(x)
+    x, dtype = check_input(x, allow_half=True)
+    stats_dtype = compute_dtype(dtype)          # float32 for float16/bfloat16, else dtype
     axis = normalize_axis(axis, x.ndim)
     N, H = rows_and_cols(x.shape, axis)
     normalized_shape = x.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
-    beta = check_param(beta, "beta", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
+    beta = check_param(beta, "beta", normalized_shape, stats_dtype)
     eps = check_eps(eps)
     resolve_num_threads(num_threads)
     if out is not None:
@@ -76,9 +81,9 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     if out is not None:
         out[...] = result
         result = out
-    mean = means.astype(dtype).reshape(batch_shape)
-    rstd = std_invs.astype(dtype).reshape(batch_shape)
-    return result, LayerNormCache(x, mean, rstd, axis, eps)
+    mean = means.astype(stats_dtype).reshape(batch_shape)
+    rstd = std_invs.astype(stats_dtype).reshape(batch_shape)
+    return result, LayerNormCache(x, mean, rstd, axis, eps, dtype)
 
 
 def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
@@ -92,9 +97,10 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "layer_norm")
     dtype = cache.dtype
+    stats_dtype = compute_dtype(dtype)          # dgamma, dbeta: float32 for float16/bfloat16
     N, H = rows_and_cols(cache.shape, cache.axis)
     normalized_shape = cache.shape[cache.axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     resolve_num_threads(num_threads)
     if out is not None:
         check_out(out, cache.shape, dtype)
@@ -121,8 +127,8 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     if out is not None:
         out[...] = dx
         dx = out
-    return (dx, dGamma.reshape(normalized_shape).astype(dtype),
-            dBeta.reshape(normalized_shape).astype(dtype))
+    return (dx, dGamma.reshape(normalized_shape).astype(stats_dtype),
+            dBeta.reshape(normalized_shape).astype(stats_dtype))
 
 
 # =============================================================================================
@@ -163,11 +169,12 @@ def _rms_standardize(row, eps):
 
 
 def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
-    x, dtype = check_input(x)
+    x, dtype = check_input(x, allow_half=True)
+    stats_dtype = compute_dtype(dtype)
     axis = normalize_axis(axis, x.ndim)
     N, H = rows_and_cols(x.shape, axis)
     normalized_shape = x.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     eps = check_eps(eps)
     resolve_num_threads(num_threads)
     if out is not None:
@@ -185,8 +192,8 @@ def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
         y[n, :] = gamma * x_hat                  # scale only, no shift
 
     result = _write_out(y.reshape(x.shape).astype(dtype), out)
-    rstd = std_invs.astype(dtype).reshape(x.shape[:axis])
-    return result, RMSNormCache(x, rstd, axis, eps)
+    rstd = std_invs.astype(stats_dtype).reshape(x.shape[:axis])
+    return result, RMSNormCache(x, rstd, axis, eps, dtype)
 
 
 def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
@@ -210,9 +217,10 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "rms_norm")
     dtype = cache.dtype
+    stats_dtype = compute_dtype(dtype)
     N, H = rows_and_cols(cache.shape, cache.axis)
     normalized_shape = cache.shape[cache.axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, dtype)
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     resolve_num_threads(num_threads)
     if out is not None:
         check_out(out, cache.shape, dtype)
@@ -231,16 +239,19 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
         dX[n, :] = std_inv * (dx_hat - x_hat * np.mean(dx_hat * x_hat))
 
     dx = _write_out(dX.reshape(cache.shape).astype(dtype), out)
-    return dx, dGamma.reshape(normalized_shape).astype(dtype)
+    return dx, dGamma.reshape(normalized_shape).astype(stats_dtype)
 
 
 def _residual_sum(x, residual, bias, axis, out, sum_out):
-    """s = x + residual (+ bias) in float64, rounded once to the output dtype; checks included."""
-    x, dtype = check_input(x)
+    """s = x + residual (+ bias) in float64, rounded once to the output dtype; checks included.
+
+    (float16/bfloat16: rounded to float32 and then to the half format, as NumPy's float16
+    addition does and as fastln promises.)"""
+    x, dtype = check_input(x, allow_half=True)
     residual = check_residual(residual, x)
     axis = normalize_axis(axis, x.ndim)
     rows_and_cols(x.shape, axis)
-    bias = check_param(bias, "bias", x.shape[axis:], dtype)
+    bias = check_param(bias, "bias", x.shape[axis:], compute_dtype(dtype))
     if out is not None:
         check_out(out, x.shape, dtype)
     if sum_out is not None:
@@ -250,6 +261,8 @@ def _residual_sum(x, residual, bias, axis, out, sum_out):
     s = np.asarray(x, dtype=np.float64) + residual.astype(dtype).astype(np.float64)
     if bias is not None:
         s = s + bias.astype(np.float64).reshape(x.shape[axis:])
+    if is_half(dtype):
+        s = s.astype(np.float32)
     return s.astype(dtype), axis
 
 

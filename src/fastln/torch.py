@@ -1,0 +1,410 @@
+"""PyTorch drop-in: fastln's kernels behind ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``.
+
+PyTorch is optional for fastln; this module needs it (``pip install torch``, version 2.4 or
+later) and is only imported when asked for::
+
+    import fastln.torch
+
+    norm = fastln.torch.LayerNorm(768)        # same constructor as torch.nn.LayerNorm
+    model = fastln.torch.patch(model)         # or swap the layers of an existing model
+
+- :class:`LayerNorm` and :class:`RMSNorm` subclass ``torch.nn.LayerNorm`` and
+  ``torch.nn.RMSNorm``: same constructor, same parameters, same ``state_dict`` keys
+  (``weight``, ``bias``), ``isinstance(m, torch.nn.LayerNorm)`` still holds. Only ``forward``
+  differs: it runs fastln's kernels through a ``torch.autograd.Function``.
+- **No copies** for CPU tensors that are contiguous float32, float64 or float16: the tensor's
+  memory is viewed as a NumPy array, and fastln writes its output straight into a tensor
+  PyTorch allocated.
+  bfloat16 tensors are viewed the same way when ``ml_dtypes`` is installed (else computed via a
+  float32 copy). Non-contiguous tensors are made contiguous first (one explicit copy).
+  Tensors on other devices (CUDA, MPS, ...) and other dtypes go to PyTorch's own functional
+  implementation, so a patched model still runs everywhere.
+- **Autograd**: the backward is fastln's (x, gamma and beta gradients in one pass), with the
+  forward's input saved through ``ctx.save_for_backward``, so modifying it in place before the
+  backward is detected by PyTorch as usual. ``torch.autograd.gradcheck`` passes in float64.
+  Under ``torch.no_grad()`` (inference) no cache is kept at all.
+- **Threads**: fastln's own OpenMP threads (``fastln.set_num_threads``, or ``num_threads=`` on
+  a module), independent of ``torch.set_num_threads``. Results are bitwise the same for every
+  thread count and every batch composition, which PyTorch's CPU kernel does not promise.
+- Not supported: TorchScript (``torch.jit.script``) and double backward. ``torch.compile``
+  works, but does not trace into fastln (its calls run as ordinary Python between graphs).
+- ``torch.nn.TransformerEncoderLayer`` in evaluation mode may take PyTorch's fused "fast path",
+  which calls its own kernels and never the norm modules' ``forward``: :func:`patch` swaps the
+  modules, but that path does not use them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union, overload
+
+import numpy as np
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.autograd.function import once_differentiable
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError(
+        "fastln.torch needs PyTorch, which fastln does not install: pip install torch"
+    ) from exc
+
+import fastln
+
+__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "patch", "unpatch"]
+
+_ShapeLike = Union[int, Sequence[int], torch.Size]
+
+# dtypes whose CPU tensors NumPy can view directly (bfloat16 needs ml_dtypes, see _to_numpy).
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
+
+
+def _bfloat16_numpy_dtype() -> Optional[np.dtype]:
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _handles(tensor: torch.Tensor) -> bool:
+    """Whether fastln computes this tensor (else PyTorch's own implementation does)."""
+    return tensor.device.type == "cpu" and (tensor.dtype in _NUMPY_DTYPES
+                                            or tensor.dtype == torch.bfloat16)
+
+
+@overload
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray: ...
+@overload
+def _to_numpy(tensor: None) -> None: ...
+@overload
+def _to_numpy(tensor: Optional[torch.Tensor]) -> Optional[np.ndarray]: ...
+def _to_numpy(tensor: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    """A NumPy view of a CPU tensor's memory; a copy only when it is not contiguous (or is
+    bfloat16 without ml_dtypes, which becomes float32)."""
+    if tensor is None:
+        return None
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        bfloat16 = _bfloat16_numpy_dtype()
+        if bfloat16 is None:
+            return tensor.to(torch.float32).numpy()
+        return tensor.contiguous().view(torch.int16).numpy().view(bfloat16)
+    return tensor.contiguous().numpy()
+
+
+def _to_torch(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The NumPy result as a tensor of `like`'s dtype, sharing memory when the dtypes agree."""
+    if array.dtype.kind == "V":  # ml_dtypes' bfloat16 (the only non-"f" dtype fastln returns)
+        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
+
+
+def _new_output(like: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[np.ndarray]]:
+    """A fresh contiguous CPU tensor of like's shape and dtype, and its NumPy view, for fastln's
+    ``out=`` (outputs then come from PyTorch's allocator, as its own kernels' do); (None, None)
+    for bfloat16 without ml_dtypes, which is computed in float32."""
+    if like.dtype == torch.bfloat16 and _bfloat16_numpy_dtype() is None:
+        return None, None
+    tensor = torch.empty(like.shape, dtype=like.dtype)
+    return tensor, _to_numpy(tensor)
+
+
+def _normalized_ndim(input: torch.Tensor, normalized_shape: _ShapeLike) -> int:
+    """How many trailing axes are normalized; ValueError when they do not match."""
+    shape = tuple(_shape_list(normalized_shape))
+    if len(shape) == 0 or len(shape) > input.dim() or tuple(input.shape[-len(shape):]) != shape:
+        raise ValueError(f"normalized_shape = {list(shape)} does not match the last axes of "
+                         f"input with shape {list(input.shape)}")
+    return len(shape)
+
+
+def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """y = layer_norm(x) * weight + bias over the last `n_axes` axes, on fastln's kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], n_axes: int, eps: float,
+                num_threads: Optional[int]) -> torch.Tensor:
+        out, out_array = _new_output(input)
+        y, cache = fastln.layer_norm_forward(_to_numpy(input), _to_numpy(weight), _to_numpy(bias),
+                                             eps, axis=input.dim() - n_axes, out=out_array,
+                                             num_threads=num_threads)
+        ctx.cache = cache  # refers to input's memory (no copy); mean, rstd: O(rows)
+        ctx.num_threads = num_threads
+        ctx.save_for_backward(input, weight, bias)  # so that PyTorch checks in-place changes
+        return out if out is not None else _to_torch(y, input)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        input, weight, bias = ctx.saved_tensors
+        cache = ctx.cache
+        dy = _to_numpy(grad_output.to(input.dtype))
+        if dy.dtype != cache.dtype:  # bfloat16 computed as float32 (no ml_dtypes)
+            dy = dy.astype(cache.dtype)
+        out, out_array = _new_output(input) if ctx.needs_input_grad[0] else (None, None)
+        dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, _to_numpy(weight), out=out_array,
+                                                       num_threads=ctx.num_threads)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = out if out is not None else _to_torch(dx, input)
+        grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
+                       else None)
+        grad_bias = (_to_torch(dbeta, bias) if bias is not None and ctx.needs_input_grad[2]
+                     else None)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x / sqrt(mean(x**2) + eps) * weight over the last `n_axes` axes, on fastln."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor], n_axes: int,
+                eps: float, num_threads: Optional[int]) -> torch.Tensor:
+        out, out_array = _new_output(input)
+        y, cache = fastln.rms_norm_forward(_to_numpy(input), _to_numpy(weight), eps,
+                                           axis=input.dim() - n_axes, out=out_array,
+                                           num_threads=num_threads)
+        ctx.cache = cache
+        ctx.num_threads = num_threads
+        ctx.save_for_backward(input, weight)
+        return out if out is not None else _to_torch(y, input)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        input, weight = ctx.saved_tensors
+        cache = ctx.cache
+        dy = _to_numpy(grad_output.to(input.dtype))
+        if dy.dtype != cache.dtype:
+            dy = dy.astype(cache.dtype)
+        out, out_array = _new_output(input) if ctx.needs_input_grad[0] else (None, None)
+        dx, dgamma = fastln.rms_norm_backward(dy, cache, _to_numpy(weight), out=out_array,
+                                              num_threads=ctx.num_threads)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = out if out is not None else _to_torch(dx, input)
+        grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
+                       else None)
+        return grad_input, grad_weight, None, None, None
+
+
+def layer_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
+               weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+               eps: float = 1e-5, *, num_threads: Optional[int] = None) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` on fastln's kernels (differentiable).
+
+    Parameters
+    ----------
+    input : torch.Tensor
+        CPU float32/float64/float16/bfloat16 tensors run on fastln (contiguous ones without a
+        copy); anything else goes to ``torch.nn.functional.layer_norm``.
+    normalized_shape : int or sequence of int
+        The trailing shape to normalize over, as in PyTorch.
+    weight, bias : torch.Tensor of shape ``normalized_shape``, optional
+    eps : float, default 1e-5
+    num_threads : int, optional
+        fastln's threads for this call; None uses ``fastln.get_num_threads()``.
+
+    Returns
+    -------
+    torch.Tensor of input's shape and dtype
+
+    Raises
+    ------
+    ValueError
+        When ``normalized_shape`` is not the trailing shape of input (PyTorch raises a
+        RuntimeError there); fastln's errors for bad weight/bias shapes or eps.
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> x = torch.tensor([[10.0, 20.0, 60.0]])
+    >>> fastln.torch.layer_norm(x, (3,))
+    tensor([[-0.9258, -0.4629,  1.3887]])
+    """
+    if not (_handles(input) and all(t is None or _handles(t) for t in (weight, bias))):
+        return F.layer_norm(input, _shape_list(normalized_shape), weight, bias, eps)
+    n_axes = _normalized_ndim(input, normalized_shape)
+    if not _needs_grad(input, weight, bias):
+        out, out_array = _new_output(input)
+        y = fastln.layer_norm(_to_numpy(input), _to_numpy(weight), _to_numpy(bias), eps,
+                              axis=input.dim() - n_axes, out=out_array, num_threads=num_threads)
+        return out if out is not None else _to_torch(y, input)
+    return _LayerNormFunction.apply(input, weight, bias, n_axes, eps, num_threads)
+
+
+def rms_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
+             weight: Optional[torch.Tensor] = None, eps: Optional[float] = None, *,
+             num_threads: Optional[int] = None) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` on fastln's kernels (differentiable).
+
+    ``eps=None`` means ``torch.finfo(input.dtype).eps``, as in PyTorch. Other parameters as in
+    :func:`layer_norm` (there is no bias).
+
+    Returns
+    -------
+    torch.Tensor of input's shape and dtype
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> fastln.torch.rms_norm(torch.tensor([3.0, 4.0]), (2,), eps=0.0)
+    tensor([0.8485, 1.1314])
+    """
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps
+    if not (_handles(input) and (weight is None or _handles(weight))):
+        return F.rms_norm(input, _shape_list(normalized_shape), weight, eps)
+    n_axes = _normalized_ndim(input, normalized_shape)
+    if not _needs_grad(input, weight):
+        out, out_array = _new_output(input)
+        y = fastln.rms_norm(_to_numpy(input), _to_numpy(weight), eps,
+                            axis=input.dim() - n_axes, out=out_array, num_threads=num_threads)
+        return out if out is not None else _to_torch(y, input)
+    return _RMSNormFunction.apply(input, weight, n_axes, eps, num_threads)
+
+
+def _shape_list(normalized_shape: _ShapeLike) -> list[int]:
+    if isinstance(normalized_shape, (int, np.integer)):
+        return [int(normalized_shape)]
+    return [int(n) for n in normalized_shape]
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` computed by fastln: same constructor, parameters and state_dict.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, bias, device, dtype
+        As in ``torch.nn.LayerNorm``.
+    num_threads : int, optional (keyword only)
+        fastln's threads for this layer; None (the default) uses ``fastln.get_num_threads()``.
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> norm = fastln.torch.LayerNorm(3)
+    >>> sorted(norm.state_dict())
+    ['bias', 'weight']
+    >>> norm(torch.tensor([[10.0, 20.0, 60.0]]))
+    tensor([[-0.9258, -0.4629,  1.3887]], grad_fn=<_LayerNormFunctionBackward>)
+    """
+
+    num_threads: Optional[int] = None  # class default, so patched modules have it too
+
+    def __init__(self, normalized_shape: _ShapeLike, eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device: Any = None,
+                 dtype: Any = None, *, num_threads: Optional[int] = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.num_threads = num_threads
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps,
+                          num_threads=self.num_threads)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` computed by fastln: same constructor, parameters and state_dict.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, device, dtype
+        As in ``torch.nn.RMSNorm`` (``eps=None``: ``torch.finfo(input.dtype).eps``).
+    num_threads : int, optional (keyword only)
+        fastln's threads for this layer; None uses ``fastln.get_num_threads()``.
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> norm = fastln.torch.RMSNorm(2, eps=0.0)
+    >>> list(norm.state_dict())
+    ['weight']
+    >>> norm(torch.tensor([3.0, 4.0])).detach()
+    tensor([0.8485, 1.1314])
+    """
+
+    num_threads: Optional[int] = None
+
+    def __init__(self, normalized_shape: _ShapeLike, eps: Optional[float] = None,
+                 elementwise_affine: bool = True, device: Any = None, dtype: Any = None, *,
+                 num_threads: Optional[int] = None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.num_threads = num_threads
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps,
+                        num_threads=self.num_threads)
+
+
+_SWAPS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm}
+
+
+def patch(model: torch.nn.Module, *, layer_norm: bool = True, rms_norm: bool = True,
+          num_threads: Optional[int] = None) -> torch.nn.Module:
+    """Make every ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` in ``model`` run on fastln.
+
+    The swap is in place and keeps each module object: its class becomes
+    :class:`fastln.torch.LayerNorm` / :class:`fastln.torch.RMSNorm` (subclasses of the torch
+    ones), so its parameters (the very ``Parameter`` objects an optimizer may hold), buffers,
+    hooks and ``state_dict`` are untouched. Only modules whose type is exactly the torch class
+    are swapped (a custom subclass may have its own ``forward``). ``model`` itself is included.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    layer_norm, rms_norm : bool, default True
+        Which kinds of layer to swap.
+    num_threads : int, optional
+        fastln's threads for the swapped layers; None uses ``fastln.get_num_threads()``.
+
+    Returns
+    -------
+    model : torch.nn.Module
+        The same object, for chaining. :func:`unpatch` undoes the swap.
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> model = fastln.torch.patch(model)
+    >>> type(model[1]).__module__, type(model[1]).__name__
+    ('fastln.torch', 'LayerNorm')
+    """
+    kinds = {torch.nn.LayerNorm: layer_norm, torch.nn.RMSNorm: rms_norm}
+    for module in model.modules():
+        swap = _SWAPS.get(type(module))
+        if swap is not None and kinds[type(module)]:
+            module.__class__ = swap
+            setattr(module, "num_threads", num_threads)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: fastln's layers in ``model`` become the plain torch layers again.
+
+    Returns
+    -------
+    model : torch.nn.Module
+        The same object.
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> model = fastln.torch.patch(torch.nn.Sequential(torch.nn.LayerNorm(4)))
+    >>> type(fastln.torch.unpatch(model)[0]) is torch.nn.LayerNorm
+    True
+    """
+    plain = {swap: original for original, swap in _SWAPS.items()}
+    for module in model.modules():
+        original = plain.get(type(module))
+        if original is not None:
+            module.__class__ = original
+            module.__dict__.pop("num_threads", None)
+    return model

@@ -1,0 +1,269 @@
+"""fastln.torch: drop-in LayerNorm / RMSNorm modules for PyTorch (skipped without torch)."""
+import numpy as np
+import pytest
+from conftest import assert_bitwise_equal
+
+torch = pytest.importorskip("torch")
+import fastln  # noqa: E402
+import fastln.torch as ft  # noqa: E402
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-11, atol=1e-11)}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _grads(module, x, grad_output):
+    """Forward and the gradients of x and of every parameter, for grad_output."""
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad()
+    y = module(x)
+    y.backward(grad_output)
+    return y.detach(), x.grad, {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+def _assert_tensors_close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape, normalized_shape", [((4, 16), (16,)), ((2, 3, 8), (3, 8)),
+                                                     ((5, 7, 1, 33), (33,))])
+@pytest.mark.parametrize("affine, bias", [(True, True), (True, False), (False, False)])
+def test_layer_norm_matches_torch(dtype, shape, normalized_shape, affine, bias):
+    ours = ft.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=affine, bias=bias,
+                        dtype=dtype)
+    theirs = torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=affine,
+                                bias=bias, dtype=dtype)
+    if affine:
+        with torch.no_grad():
+            ours.weight.normal_()
+            if bias:
+                ours.bias.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    x = torch.randn(shape, dtype=dtype) * 3 + 1
+    grad_output = torch.randn(shape, dtype=dtype)
+    y, dx, dparams = _grads(ours, x, grad_output)
+    y_t, dx_t, dparams_t = _grads(theirs, x, grad_output)
+    _assert_tensors_close(y, y_t, dtype)
+    _assert_tensors_close(dx, dx_t, dtype)
+    assert dparams.keys() == dparams_t.keys()
+    for name in dparams:
+        _assert_tensors_close(dparams[name], dparams_t[name], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_rms_norm_matches_torch(dtype, eps):
+    ours = ft.RMSNorm((3, 10), eps=eps, dtype=dtype)
+    theirs = torch.nn.RMSNorm((3, 10), eps=eps, dtype=dtype)
+    with torch.no_grad():
+        ours.weight.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == ["weight"]
+    x = torch.randn(6, 3, 10, dtype=dtype)
+    grad_output = torch.randn(6, 3, 10, dtype=dtype)
+    y, dx, dparams = _grads(ours, x, grad_output)
+    y_t, dx_t, dparams_t = _grads(theirs, x, grad_output)
+    _assert_tensors_close(y, y_t, dtype)
+    _assert_tensors_close(dx, dx_t, dtype)
+    _assert_tensors_close(dparams["weight"], dparams_t["weight"], dtype)
+
+
+def test_gradcheck_float64():
+    x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w, b: ft.layer_norm(a, (4, 6), w, b), (x, weight, bias))
+    assert torch.autograd.gradcheck(lambda a, w: ft.rms_norm(a, (6,), w, eps=1e-5),
+                                    (x, weight[0].detach().clone().requires_grad_()))
+    assert torch.autograd.gradcheck(lambda a: ft.layer_norm(a, (6,)), (x,))
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block with both kinds of norm, nested one level down."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * width, width))
+        self.norm2 = torch.nn.RMSNorm(width)
+
+    def forward(self, x):
+        x = x + self.mlp(self.norm1(x))
+        return self.norm2(x)
+
+
+def test_patch_swaps_in_place_and_keeps_everything():
+    model = torch.nn.Sequential(_Block(16), _Block(16), torch.nn.LayerNorm(16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    reference = torch.nn.Sequential(_Block(16), _Block(16), torch.nn.LayerNorm(16))
+    reference.load_state_dict(model.state_dict())
+    modules_before = list(model.modules())
+    params_before = list(model.parameters())
+    keys_before = list(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    assert ft.patch(model) is model
+    kinds = [type(m) for m in model.modules()]
+    assert kinds.count(ft.LayerNorm) == 3 and kinds.count(ft.RMSNorm) == 2
+    assert torch.nn.LayerNorm not in kinds and torch.nn.RMSNorm not in kinds
+    assert all(isinstance(m, torch.nn.LayerNorm) for m in model.modules()
+               if type(m) is ft.LayerNorm)
+    assert list(model.modules()) == modules_before            # the same objects
+    assert all(a is b for a, b in zip(model.parameters(), params_before))
+    assert list(model.state_dict()) == keys_before
+
+    x = torch.randn(8, 5, 16)
+    grad_output = torch.randn(8, 5, 16)
+    y, dx, dparams = _grads(model, x, grad_output)
+    y_t, dx_t, dparams_t = _grads(reference, x, grad_output)
+    _assert_tensors_close(y, y_t, torch.float32)
+    _assert_tensors_close(dx, dx_t, torch.float32)
+    for name in dparams:
+        torch.testing.assert_close(dparams[name], dparams_t[name], rtol=1e-4, atol=1e-4)
+    optimizer.step()  # the optimizer holds the very parameters the patched model uses
+    assert not torch.equal(model[2].weight, reference[2].weight)
+
+    assert ft.unpatch(model) is model
+    kinds = [type(m) for m in model.modules()]
+    assert ft.LayerNorm not in kinds and kinds.count(torch.nn.LayerNorm) == 3
+
+
+def test_patch_selects_kinds_and_leaves_subclasses_alone():
+    class MyNorm(torch.nn.LayerNorm):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.RMSNorm(4), MyNorm(4))
+    ft.patch(model, rms_norm=False, num_threads=1)
+    assert [type(m) for m in model] == [ft.LayerNorm, torch.nn.RMSNorm, MyNorm]
+    assert model[0].num_threads == 1
+
+
+def _address(array):
+    return array.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_contiguous_tensors_are_not_copied(monkeypatch, dtype):
+    """fastln reads the tensor's own memory and writes into the tensor torch returns."""
+    seen = {}
+    forward, backward = fastln.layer_norm_forward, fastln.layer_norm_backward
+
+    def spy_forward(x, *args, **kwargs):
+        seen["x"], seen["out"] = x, kwargs["out"]
+        return forward(x, *args, **kwargs)
+
+    def spy_backward(dy, *args, **kwargs):
+        seen["dy"], seen["dx"] = dy, kwargs["out"]
+        return backward(dy, *args, **kwargs)
+
+    monkeypatch.setattr(fastln, "layer_norm_forward", spy_forward)
+    monkeypatch.setattr(fastln, "layer_norm_backward", spy_backward)
+    x = torch.randn(6, 32, dtype=dtype, requires_grad=True)
+    y = ft.layer_norm(x, (32,))
+    grad_output = torch.randn(6, 32, dtype=dtype)
+    y.backward(grad_output)
+    assert _address(seen["x"]) == x.data_ptr()
+    assert _address(seen["out"]) == y.data_ptr()
+    assert _address(seen["dy"]) == grad_output.data_ptr()
+    assert _address(seen["dx"]) == x.grad.data_ptr()
+
+
+def test_helpers_copy_only_when_needed():
+    x = torch.randn(6, 32)
+    assert np.shares_memory(ft._to_numpy(x), x.numpy())
+    strided = x[:, ::2]
+    assert not strided.is_contiguous()
+    assert not np.shares_memory(ft._to_numpy(strided), x.numpy())
+    y = fastln.layer_norm(ft._to_numpy(x))
+    assert ft._to_torch(y, x).data_ptr() == _address(y)
+
+
+def test_non_contiguous_input_gives_the_same_result():
+    x = torch.randn(10, 40)[:, ::2]
+    norm = ft.LayerNorm(20)
+    torch.testing.assert_close(norm(x), torch.nn.functional.layer_norm(x, (20,), norm.weight,
+                                                                       norm.bias))
+
+
+def test_in_place_change_before_backward_is_caught():
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1.0
+    y = ft.layer_norm(h, (8,))
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_no_grad_keeps_no_graph_and_matches():
+    norm = ft.LayerNorm(12)
+    x = torch.randn(3, 12)
+    with torch.no_grad():
+        y = norm(x)
+    assert y.grad_fn is None
+    assert_bitwise_equal(y.numpy(), norm(x).detach().numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_tensors(dtype):
+    if dtype == torch.bfloat16:
+        pytest.importorskip("ml_dtypes")
+    norm = ft.LayerNorm(64, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(16, 64).to(dtype).requires_grad_()
+    y = norm(x)
+    assert y.dtype == dtype
+    expected = torch.nn.functional.layer_norm(x.detach().float(), (64,), norm.weight.float(),
+                                              norm.bias.float()).to(dtype)
+    torch.testing.assert_close(y.detach().float(), expected.float(), rtol=2e-2, atol=2e-2)
+    y.sum().backward()
+    assert x.grad.dtype == dtype and norm.weight.grad.dtype == dtype
+
+
+def test_other_devices_fall_back_to_torch():
+    x = torch.empty(3, 8, device="meta")
+    norm = ft.LayerNorm(8, device="meta")
+    y = norm(x)
+    assert y.device.type == "meta" and y.shape == (3, 8)
+    assert ft.rms_norm(x, (8,)).device.type == "meta"
+
+
+def test_thread_count_does_not_change_bits():
+    x = torch.randn(512, 256)
+    grad_output = torch.randn(512, 256)
+    results = []
+    for n in (1, 2, 3):
+        norm = ft.LayerNorm(256, num_threads=n)
+        results.append(_grads(norm, x, grad_output))
+    for y, dx, dparams in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(dx, results[0][1])
+        assert all(torch.equal(dparams[k], results[0][2][k]) for k in dparams)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="normalized_shape"):
+        ft.layer_norm(torch.randn(3, 4), (5,))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        ft.rms_norm(torch.randn(4), (2, 4))
+
+
+def test_bfloat16_without_ml_dtypes_goes_through_float32(monkeypatch):
+    monkeypatch.setattr(ft, "_bfloat16_numpy_dtype", lambda: None)
+    x = torch.randn(8, 32).to(torch.bfloat16).requires_grad_()
+    norm = ft.RMSNorm(32, dtype=torch.bfloat16)
+    y = norm(x)
+    assert y.dtype == torch.bfloat16
+    expected = fastln.rms_norm(x.detach().float().numpy(), eps=torch.finfo(torch.bfloat16).eps)
+    torch.testing.assert_close(y.detach(), torch.from_numpy(expected).to(torch.bfloat16))
+    y.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.bfloat16
