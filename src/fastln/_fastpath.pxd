@@ -5,7 +5,7 @@ from libc.math cimport INFINITY
 
 cimport numpy as cnp
 
-from fastln._openmp cimport fastln_openmp_max_threads
+from fastln._openmp cimport fastln_openmp_max_threads, fastln_thread_cap
 
 
 cdef inline bint _is_kernel_array(object value, int typenum):
@@ -50,8 +50,8 @@ cdef inline int _fast_num_threads(object num_threads):
     """The thread count, or 0 when the value needs the general path's checking."""
     if num_threads is None:
         return fastln_openmp_max_threads()
-    if type(num_threads) is int and num_threads >= 1:
-        return min(<long>num_threads, 1 << 20)
+    if type(num_threads) is int and 1 <= num_threads <= fastln_thread_cap():
+        return <int>num_threads
     return 0
 
 

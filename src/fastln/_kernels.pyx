@@ -20,7 +20,7 @@ from fastln._fastpath cimport (
     _overlaps,
     _same_shape,
 )
-from fastln._openmp cimport fastln_openmp_enabled, fastln_openmp_max_threads
+from fastln._openmp cimport fastln_openmp_enabled, fastln_openmp_max_threads, fastln_thread_cap
 
 cnp.import_array()
 
@@ -71,7 +71,12 @@ def openmp_enabled():
 
 def default_num_threads():
     """OpenMP's default team size (honours OMP_NUM_THREADS); 1 without OpenMP."""
-    return fastln_openmp_max_threads()
+    return min(fastln_openmp_max_threads(), fastln_thread_cap())
+
+
+def thread_cap():
+    """The most threads one call starts (4 per processor, at least 64)."""
+    return fastln_thread_cap()
 
 
 cdef inline void* _data(object array):

@@ -1,4 +1,7 @@
 """fastln.layer_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
+import math
+import numbers
+
 import numpy as np
 
 from fastln import _half_kernels, _kernels
@@ -14,6 +17,7 @@ from fastln._validation import (
     half_kind,
     is_half,
     normalize_axis,
+    output_dtype,
     protect_from_output,
     resolve_num_threads,
     rows_and_cols,
@@ -164,6 +168,42 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     return _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=True)
 
 
+# The statistics each operation's cache holds, and the shape they must have for x and axis.
+_CACHE_STATISTICS = {
+    "layer_norm": (("mean", "rstd"), lambda shape, axis: shape[:axis]),
+    "rms_norm": (("rstd",), lambda shape, axis: shape[:axis]),
+    "batch_norm": (("mean", "rstd"), lambda shape, axis: (shape[axis],)),
+}
+
+
+def _check_cache_contents(cache, op):
+    """A cache's fields must still be what its forward made: a backward trusts their sizes."""
+    x = cache.x
+    if not isinstance(x, np.ndarray) or x.ndim == 0:
+        raise ValueError(f"cache.x must be the forward's input array, got {type(x).__name__}")
+    axis = cache.axis
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral) \
+            or not 0 <= axis < x.ndim:
+        raise ValueError(f"cache.axis must be an int in [0, {x.ndim}), got {axis!r}")
+    if not isinstance(cache.eps, numbers.Real) or not 0 <= cache.eps < math.inf:
+        raise ValueError(f"cache.eps must be a finite number >= 0, got {cache.eps!r}")
+    names, expected_shape = _CACHE_STATISTICS[op]
+    for name in names:
+        statistic = getattr(cache, name)
+        if not isinstance(statistic, np.ndarray) or statistic.dtype.kind != "f":
+            raise ValueError(f"cache.{name} must be a floating ndarray, "
+                             f"got {type(statistic).__name__}")
+        if statistic.shape != tuple(expected_shape(x.shape, axis)):
+            raise ValueError(f"cache.{name} has shape {statistic.shape}, expected "
+                             f"{tuple(expected_shape(x.shape, axis))} for x of shape {x.shape}")
+    dtype = cache.dtype
+    if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x",
+                                                                allow_half=(op != "batch_norm")):
+        raise ValueError(f"cache.dtype {dtype!r} does not match cache.x ({x.dtype})")
+    if op == "batch_norm" and not isinstance(cache.training, (bool, np.bool_)):
+        raise ValueError(f"cache.training must be a bool, got {cache.training!r}")
+
+
 def check_cache(cache, dy, op):
     """The cache must come from a forward of `op` with y of dy's shape and dtype."""
     if not hasattr(cache, "op") or not hasattr(cache, "x"):
@@ -172,6 +212,7 @@ def check_cache(cache, dy, op):
     if cache.op != op:
         raise ValueError(f"cache comes from {cache.op}_forward; {op}_backward needs the cache "
                          f"of {op}_forward")
+    _check_cache_contents(cache, op)
     if dy.shape != cache.shape:
         raise ValueError(f"dy has shape {dy.shape}, but the cache is for x of shape "
                          f"{cache.shape}")
@@ -217,7 +258,8 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     >>> bool(np.abs(dx).max() < 1e-12), dbeta    # a constant dy does not move x_hat
     (True, array([2., 2., 2.]))
     """
-    if type(cache) is LayerNormCache and cache.axis == cache.x.ndim - 1:
+    if (type(cache) is LayerNormCache and type(cache.x) is np.ndarray
+            and cache.axis == cache.x.ndim - 1):
         result = _kernels.layer_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd, gamma,
                                                    out, num_threads)
         if result is not None:

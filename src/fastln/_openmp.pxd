@@ -4,3 +4,4 @@ cdef extern from "fastln/openmp_compat.h" nogil:
     int fastln_openmp_enabled()
     int fastln_openmp_max_threads()
     void fastln_openmp_set_max_threads(int n)
+    int fastln_thread_cap()

@@ -110,13 +110,17 @@ def check_eps(eps):
 
 
 def resolve_num_threads(num_threads):
-    """None means OpenMP's default (OMP_NUM_THREADS); otherwise a positive int, exactly."""
+    """None means OpenMP's default (OMP_NUM_THREADS); otherwise a positive int, exactly.
+
+    Counts above fastln's cap (4 threads per processor, at least 64) are lowered to it: the
+    results are the same for every count, and a team of 10**5 threads could exhaust the process.
+    """
     if num_threads is None:
         return _kernels.default_num_threads()
     if (isinstance(num_threads, (bool, np.bool_))
             or not isinstance(num_threads, numbers.Integral) or num_threads < 1):
         raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}")
-    return int(num_threads)
+    return min(int(num_threads), _kernels.thread_cap())
 
 
 def rows_and_cols(shape, axis):
