@@ -50,6 +50,10 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     The cache is a :class:`fastln.LayerNormCache` (x itself plus each row's mean and rstd), the
     same as fastln's, so caches work across the two implementations.
     """
+    return _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=True)
+
+
+def _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
     x, dtype = check_input(x, allow_half=True)
     stats_dtype = compute_dtype(dtype)          # float32 for float16/bfloat16, else dtype
     axis = normalize_axis(axis, x.ndim)
@@ -61,7 +65,8 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     resolve_num_threads(num_threads)
     if out is not None:
         check_out(out, x.shape, dtype)
-        check_out_keeps_x(out, x)
+        if keep_cache:                          # the cache keeps x: out must not overwrite it
+            check_out_keeps_x(out, x)
 
     X = _as_rows_float64(x, N, H)
     gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
@@ -87,8 +92,8 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
 
 
 def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
-    """y of :func:`layer_norm_forward`."""
-    y, _ = layer_norm_forward(x, gamma, beta, eps, axis=axis, out=out, num_threads=num_threads)
+    """y of :func:`layer_norm_forward`; out may be x itself (in place)."""
+    y, _ = _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=False)
     return y
 
 
@@ -345,7 +350,9 @@ def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, e
             x_hat, mu, batch_vars[c], std_inv = _batch_statistics(column, eps)
         else:                                   # population estimates from training
             mu = float(running_mean[c])
-            std_inv = 1 / math.sqrt(float(running_var[c]) + eps)
+            variance = float(running_var[c]) + eps
+            # A negative running_var has no square root: NaN, as the kernels give.
+            std_inv = 1 / math.sqrt(variance) if variance >= 0 else math.nan
             x_hat = (column - mu) * std_inv
         Y[:, c] = gamma[c] * x_hat + beta[c]
         means[c], std_invs[c] = mu, std_inv
