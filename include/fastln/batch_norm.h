@@ -54,7 +54,10 @@ static inline void fastln_bn_train_constants(
         var_out[c] = var;
         rstd_out[c] = rstd;
         center_out[c] = mean_shifted;
-        scale_out[c] = gamma ? rstd * gamma[c] : rstd;
+        /* A constant feature with eps = 0: every deviation is exactly 0 and x_hat is 0
+         * (y = beta), not 0 * inf = NaN. rstd still reports inf. */
+        const double x_hat_scale = var + eps == 0.0 ? 0.0 : rstd;
+        scale_out[c] = gamma ? x_hat_scale * gamma[c] : x_hat_scale;
         offset_out[c] = beta ? beta[c] : 0.0;
     }
 }
@@ -97,13 +100,15 @@ static inline void fastln_bn_backward_constants(
 {
     for (int64_t c = 0; c < n_features; c++) {
         const double correction = training ? sum_d[c] / count : 0.0;
-        const double dgamma = rstd[c] * (sum_dy_d[c] - correction * sum_dy[c]);
+        /* rstd = inf: a constant feature with eps = 0, whose x_hat is 0 (see the forward). */
+        const double dgamma =
+            isinf(rstd[c]) ? 0.0 : rstd[c] * (sum_dy_d[c] - correction * sum_dy[c]);
         dgamma_out[c] = dgamma;
         dbeta_out[c] = sum_dy[c];
         correction_out[c] = correction;
         k_out[c] = gamma ? gamma[c] * rstd[c] : rstd[c];
         mean_dy_out[c] = training ? sum_dy[c] / count : 0.0;
-        coef_out[c] = training ? rstd[c] * dgamma / count : 0.0;
+        coef_out[c] = training && !isinf(rstd[c]) ? rstd[c] * dgamma / count : 0.0;
     }
 }
 

@@ -216,6 +216,17 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const double n = (double)n_cols;
     const double mean_correction = fastln_reduce(sum_d) / n;
     const double total_dxhat = fastln_reduce(sum_dxhat);
+    if (isinf(rstd)) {
+        /* A constant row with eps = 0: the forward wrote beta (x_hat = 0), so dgamma gets
+         * nothing from it and dx = rstd * (dx_hat - mean(dx_hat)), infinite or NaN. Rare. */
+        for (int64_t j = 0; j < n_cols; j++) {
+            const double dy_j = (double)dy[j];
+            const double dx_hat = gamma ? dy_j * (double)gamma[j] : dy_j;
+            dbeta_acc[j] += (FASTLN_ACC_T)dy_j;
+            dx[j] = (FASTLN_T)(rstd * (dx_hat - total_dxhat / n));
+        }
+        return;
+    }
     const double total_dxhat_xhat =
         rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
     FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, mean, mean_correction,

@@ -34,10 +34,11 @@ def _as_rows_float64(array, n_rows, n_cols):
 
 def _standardize(row, eps):
     """The first four lines of the lesson's loop body: (x_hat, mu, std_inv) of one row."""
+    if np.all(row == row[0]):                   # a constant row: every deviation is exactly 0
+        std_inv = math.inf if eps == 0 else 1 / math.sqrt(eps)   # (np.mean may round; and with
+        return np.zeros_like(row), row[0], std_inv               #  eps = 0, x_hat is 0, not NaN)
     mu = np.mean(row)                           # scalar
     var = np.mean((row - mu) ** 2)              # population variance (divide by H, not H - 1)
-    if var + eps == 0:                          # a constant row with eps = 0: x_hat is 0, not NaN
-        return np.zeros_like(row), mu, math.inf
     std_inv = 1 / math.sqrt(var + eps)          # eps inside the square root
     x_hat = (row - mu) * std_inv                # standardized row
     return x_hat, mu, std_inv
@@ -320,10 +321,11 @@ def _from_feature_columns(columns, shape, axis):
 
 def _batch_statistics(column, eps):
     """(x_hat, mu, var, std_inv) of one feature over the batch (section 8.2.1-8.2.2)."""
+    if np.all(column == column[0]):             # a constant feature: every deviation is 0
+        std_inv = math.inf if eps == 0 else 1 / math.sqrt(eps)   # (x_hat is 0, not NaN)
+        return np.zeros_like(column), column[0], 0.0, std_inv
     mu = np.mean(column)                        # batch mean
     var = np.mean((column - mu) ** 2)           # biased batch variance (divide by m)
-    if var + eps == 0:                          # a constant feature with eps = 0: x_hat is 0
-        return np.zeros_like(column), mu, var, math.inf
     std_inv = 1 / math.sqrt(var + eps)
     return (column - mu) * std_inv, mu, var, std_inv
 
