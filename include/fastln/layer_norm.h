@@ -44,6 +44,10 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * standard deviations from its mean. */
 #define FASTLN_MAX_CANCELLATION 16.0
 
+/* Variances (and eps) below this are taken again on rescaled values: their squares may have
+ * underflowed in double. */
+#define FASTLN_TINY 1e-250
+
 #define FASTLN_TEMPLATE "fastln/layer_norm_impl.h"
 #include "fastln/instantiate.h"
 #undef FASTLN_TEMPLATE

@@ -33,6 +33,34 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_sums)(
     }
 }
 
+/* rstd of a row whose squares leave double's range, from its deviations around `mean` scaled by
+ * the power of two that brings the largest to about 1 (exact scaling: the result is rounded once
+ * more, not changed). A plain loop in a fixed order: this path is taken by a handful of rows at
+ * most. var_out gets the scaled variance (0 only for a constant row). */
+static double FASTLN_NAME(fastln_ln_rescaled_rstd)(
+    const FASTLN_T *x, int64_t n_cols, double mean, double eps, double *var_out)
+{
+    double largest = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) largest = fmax(largest, fabs((double)x[j] - mean));
+    *var_out = 0.0;
+    if (!(largest > 0.0) || isinf(largest)) return 1.0 / sqrt(eps); /* constant row; or beyond */
+    int exponent;
+    frexp(largest, &exponent);
+    const double scale = ldexp(1.0, -exponent);
+    double sum = 0.0, sumsq = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double d = ((double)x[j] - mean) * scale;
+        sum += d;
+        sumsq += d * d;
+    }
+    const double mean_scaled = sum / (double)n_cols;
+    double var = sumsq / (double)n_cols - mean_scaled * mean_scaled;
+    if (var < 0.0) var = 0.0;
+    *var_out = var;
+    /* 1 / sqrt(var / scale^2 + eps) = scale / sqrt(var + eps * scale^2) */
+    return scale / sqrt(var + eps * scale * scale);
+}
+
 /* y = gamma * x_hat + beta for eight elements; gamma and beta may be NULL. */
 FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_output8)(
     const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *beta, double shift,
@@ -103,7 +131,16 @@ static void FASTLN_NAME(fastln_layer_norm_forward_row)(
         var = fastln_reduce(sumsq2) / (double)n_cols - mean_residual * mean_residual;
     }
     if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
-    const double rstd = 1.0 / sqrt(var + eps);
+    double rstd = 1.0 / sqrt(var + eps);
+    if ((isfinite(mean_shifted) && !isfinite(var)) || (var < FASTLN_TINY && eps < FASTLN_TINY)) {
+        /* Squares that overflow (|x| beyond ~1e154) or underflow (spreads below ~1e-154, with
+         * eps too small to matter) in double: take the statistics again on rescaled values.
+         * Rare; NaN and Inf rows never come here (their mean_shifted is not finite). */
+        double var_rescaled;
+        rstd = FASTLN_NAME(fastln_ln_rescaled_rstd)(x, n_cols, shift + mean_shifted, eps,
+                                                    &var_rescaled);
+        var = var_rescaled;
+    }
     *mean_out = shift + mean_shifted;
     *rstd_out = rstd;
     /* A constant row with eps = 0: every centred value is exactly 0 and x_hat is defined as 0
