@@ -16,11 +16,29 @@ static inline void fastln_openmp_set_max_threads(int n) { (void)n; }
 static inline int fastln_openmp_num_procs(void) { return 1; }
 #endif
 
+/* GNU OpenMP's thread pool does not survive fork(): a parallel region in a forked child of a
+ * process that already used it hangs (the pytorch issue 19163). Like PyTorch, fastln runs every
+ * call of a forked child on the calling thread; spawned children are not affected. The flag is
+ * the only global state in fastln's C code, set once by fastln_watch_for_fork() at import. */
+#if defined(_OPENMP) && defined(__unix__)
+#include <pthread.h>
+static int fastln_in_forked_child = 0;
+static void fastln_mark_forked_child(void) { fastln_in_forked_child = 1; }
+static inline void fastln_watch_for_fork(void)
+{
+    pthread_atfork(NULL, NULL, fastln_mark_forked_child);
+}
+#else
+static const int fastln_in_forked_child = 0;
+static inline void fastln_watch_for_fork(void) {}
+#endif
+
 /* The most threads a call will start: more than a few per processor only wastes memory, and
  * asking OpenMP for a team of 10^5 threads can exhaust the process (results are the same for
- * every count, so capping changes nothing but the cost). */
+ * every count, so capping changes nothing but the cost). 1 in a forked child (see above). */
 static inline int fastln_thread_cap(void)
 {
+    if (fastln_in_forked_child) return 1;
     const int cap = 4 * fastln_openmp_num_procs();
     return cap > 64 ? cap : 64;
 }

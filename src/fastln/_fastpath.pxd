@@ -49,7 +49,7 @@ cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
 cdef inline int _fast_num_threads(object num_threads):
     """The thread count, or 0 when the value needs the general path's checking."""
     if num_threads is None:
-        return fastln_openmp_max_threads()
+        return min(fastln_openmp_max_threads(), fastln_thread_cap())
     if type(num_threads) is int and 1 <= num_threads <= fastln_thread_cap():
         return <int>num_threads
     return 0

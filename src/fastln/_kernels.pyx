@@ -20,9 +20,15 @@ from fastln._fastpath cimport (
     _overlaps,
     _same_shape,
 )
-from fastln._openmp cimport fastln_openmp_enabled, fastln_openmp_max_threads, fastln_thread_cap
+from fastln._openmp cimport (
+    fastln_openmp_enabled,
+    fastln_openmp_max_threads,
+    fastln_thread_cap,
+    fastln_watch_for_fork,
+)
 
 cnp.import_array()
+fastln_watch_for_fork()  # forked children run serially: see fastln/openmp_compat.h
 
 ctypedef fused floating:
     float

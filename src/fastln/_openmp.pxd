@@ -5,3 +5,4 @@ cdef extern from "fastln/openmp_compat.h" nogil:
     int fastln_openmp_max_threads()
     void fastln_openmp_set_max_threads(int n)
     int fastln_thread_cap()
+    void fastln_watch_for_fork()
