@@ -19,7 +19,8 @@ static inline int fastln_openmp_num_procs(void) { return 1; }
 /* GNU OpenMP's thread pool does not survive fork(): a parallel region in a forked child of a
  * process that already used it hangs (the pytorch issue 19163). Like PyTorch, fastln runs every
  * call of a forked child on the calling thread; spawned children are not affected. The flag is
- * the only global state in fastln's C code, set once by fastln_watch_for_fork() at import. */
+ * global state in fastln's C code with the thread cap below, set once by
+ * fastln_watch_for_fork() at import. */
 #if defined(_OPENMP) && defined(__unix__)
 #include <pthread.h>
 static int fastln_in_forked_child = 0;
@@ -36,11 +37,15 @@ static inline void fastln_watch_for_fork(void) {}
 /* The most threads a call will start: more than a few per processor only wastes memory, and
  * asking OpenMP for a team of 10^5 threads can exhaust the process (results are the same for
  * every count, so capping changes nothing but the cost). 1 in a forked child (see above). */
+static int fastln_thread_cap_value = 0; /* computed once: omp_get_num_procs() costs ~0.2 us */
 static inline int fastln_thread_cap(void)
 {
     if (fastln_in_forked_child) return 1;
-    const int cap = 4 * fastln_openmp_num_procs();
-    return cap > 64 ? cap : 64;
+    if (fastln_thread_cap_value == 0) {
+        const int cap = 4 * fastln_openmp_num_procs();
+        fastln_thread_cap_value = cap > 64 ? cap : 64; /* every thread writes the same value */
+    }
+    return fastln_thread_cap_value;
 }
 
 #endif /* FASTLN_OPENMP_COMPAT_H */
