@@ -102,7 +102,7 @@ static inline void fastln_bn_backward_constants(
         const double correction = training ? sum_d[c] / count : 0.0;
         /* rstd = inf: a constant feature with eps = 0, whose x_hat is 0 (see the forward). */
         const double dgamma =
-            isinf(rstd[c]) ? 0.0 : rstd[c] * (sum_dy_d[c] - correction * sum_dy[c]);
+            isinf(rstd[c]) ? 0.0 * sum_dy[c] : rstd[c] * (sum_dy_d[c] - correction * sum_dy[c]);
         dgamma_out[c] = dgamma;
         dbeta_out[c] = sum_dy[c];
         correction_out[c] = correction;

@@ -259,6 +259,7 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
         for (int64_t j = 0; j < n_cols; j++) {
             const double dy_j = (double)dy[j];
             const double dx_hat = gamma ? dy_j * (double)gamma[j] : dy_j;
+            dgamma_acc[j] += (FASTLN_ACC_T)(dy_j * 0.0); /* x_hat = 0; NaN in dy stays NaN */
             dbeta_acc[j] += (FASTLN_ACC_T)dy_j;
             dx[j] = (FASTLN_T)(rstd * (dx_hat - total_dxhat / n));
         }

@@ -34,7 +34,7 @@ def _as_rows_float64(array, n_rows, n_cols):
 
 def _standardize(row, eps):
     """The first four lines of the lesson's loop body: (x_hat, mu, std_inv) of one row."""
-    if np.all(row == row[0]):                   # a constant row: every deviation is exactly 0
+    if np.isfinite(row[0]) and np.all(row == row[0]):   # a constant row: deviations are all 0
         std_inv = math.inf if eps == 0 else 1 / math.sqrt(eps)   # (np.mean may round; and with
         return np.zeros_like(row), row[0], std_inv               #  eps = 0, x_hat is 0, not NaN)
     mu = np.mean(row)                           # scalar
@@ -321,7 +321,7 @@ def _from_feature_columns(columns, shape, axis):
 
 def _batch_statistics(column, eps):
     """(x_hat, mu, var, std_inv) of one feature over the batch (section 8.2.1-8.2.2)."""
-    if np.all(column == column[0]):             # a constant feature: every deviation is 0
+    if np.isfinite(column[0]) and np.all(column == column[0]):   # constant: deviations all 0
         std_inv = math.inf if eps == 0 else 1 / math.sqrt(eps)   # (x_hat is 0, not NaN)
         return np.zeros_like(column), column[0], 0.0, std_inv
     mu = np.mean(column)                        # batch mean
