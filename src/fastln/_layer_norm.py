@@ -24,26 +24,25 @@ from fastln._validation import (
 )
 
 
-class LayerNormCache:
-    """What layer_norm_backward needs from a forward call, in O(rows) memory.
+class RowNormCache:
+    """The part of a row normalization's cache that LayerNorm and RMSNorm share.
 
     Attributes
     ----------
-    mean, rstd : ndarray of shape x.shape[:axis], in y's dtype (float32 for float16/bfloat16)
-        Each row's mean and 1 / sqrt(var + eps).
     x : ndarray
         The forward's input itself, not a copy: it must not be modified before the backward.
+    rstd : ndarray of shape x.shape[:axis], in y's dtype (float32 for float16/bfloat16)
+        Each row's 1 / sqrt(var + eps) (LayerNorm) or 1 / sqrt(mean(x**2) + eps) (RMSNorm).
     axis : int
         The first normalized axis (non-negative).
     eps : float
     """
 
-    op = "layer_norm"
-    __slots__ = ("x", "mean", "rstd", "axis", "eps", "_dtype")
+    op = None
+    __slots__ = ("x", "rstd", "axis", "eps", "_dtype")
 
-    def __init__(self, x, mean, rstd, axis, eps, dtype=None):
+    def __init__(self, x, rstd, axis, eps, dtype=None):
         self.x = x
-        self.mean = mean
         self.rstd = rstd
         self.axis = axis
         self.eps = eps
@@ -56,11 +55,23 @@ class LayerNormCache:
     @property
     def dtype(self):
         """y's dtype."""
-        return self.mean.dtype if self._dtype is None else self._dtype
+        return self.rstd.dtype if self._dtype is None else self._dtype
 
     def __repr__(self):
-        return (f"LayerNormCache(shape={self.shape}, axis={self.axis}, "
+        return (f"{type(self).__name__}(shape={self.shape}, axis={self.axis}, "
                 f"dtype={self.dtype.name}, eps={self.eps})")
+
+
+class LayerNormCache(RowNormCache):
+    """What layer_norm_backward needs from a forward call, in O(rows) memory: the attributes of
+    :class:`RowNormCache` and ``mean``, each row's mean (shape x.shape[:axis], rstd's dtype)."""
+
+    op = "layer_norm"
+    __slots__ = ("mean",)
+
+    def __init__(self, x, mean, rstd, axis, eps, dtype=None):
+        super().__init__(x, rstd, axis, eps, dtype)
+        self.mean = mean
 
 
 def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):

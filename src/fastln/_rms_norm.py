@@ -2,7 +2,7 @@
 import numpy as np
 
 from fastln import _family_kernels, _half_kernels
-from fastln._layer_norm import check_cache
+from fastln._layer_norm import RowNormCache, check_cache
 from fastln._validation import (
     as_array,
     as_kernel_array,
@@ -20,43 +20,13 @@ from fastln._validation import (
 )
 
 
-class RMSNormCache:
-    """What rms_norm_backward needs from a forward call, in O(rows) memory.
-
-    Attributes
-    ----------
-    rstd : ndarray of shape x.shape[:axis], in y's dtype (float32 for float16/bfloat16)
-        Each row's 1 / sqrt(mean(x**2) + eps).
-    x : ndarray
-        The forward's input itself, not a copy: it must not be modified before the backward.
-        (For :func:`fastln.add_rms_norm_forward` it is the sum ``s``.)
-    axis : int
-        The first normalized axis (non-negative).
-    eps : float
-    """
+class RMSNormCache(RowNormCache):
+    """What rms_norm_backward needs from a forward call, in O(rows) memory: the attributes of
+    :class:`fastln._layer_norm.RowNormCache` (x is the sum ``s`` for
+    :func:`fastln.add_rms_norm_forward`)."""
 
     op = "rms_norm"
-    __slots__ = ("x", "rstd", "axis", "eps", "_dtype")
-
-    def __init__(self, x, rstd, axis, eps, dtype=None):
-        self.x = x
-        self.rstd = rstd
-        self.axis = axis
-        self.eps = eps
-        self._dtype = dtype  # y's dtype when it differs from the statistics' (half precision)
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    @property
-    def dtype(self):
-        """y's dtype."""
-        return self.rstd.dtype if self._dtype is None else self._dtype
-
-    def __repr__(self):
-        return (f"RMSNormCache(shape={self.shape}, axis={self.axis}, "
-                f"dtype={self.dtype.name}, eps={self.eps})")
+    __slots__ = ()
 
 
 def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
