@@ -204,3 +204,39 @@ def test_axis_spelling_does_not_change_the_bits(big_inputs, dtype):
     assert_bitwise_equal(y3.reshape(y.shape), y)
     y4 = fastln.layer_norm(x.reshape(8, 256, 256), gamma, beta, axis=-1, num_threads=1)
     assert_bitwise_equal(y4.reshape(y.shape), y)
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs beyond the cache: written with non-temporal stores, the same bits
+# --------------------------------------------------------------------------------------------
+
+STREAMING_BYTES = 32 * 1024 * 1024  # MIN_BYTES_FOR_STREAMING in src/fastln/_kernels.pyx
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_output", "in_place"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_streamed_outputs_equal_the_same_rows_in_a_small_batch(dtype, in_place):
+    """y and dx of at least 32 MiB go out with non-temporal stores; a few rows of them, computed
+    again in a small batch (ordinary stores), must give the same bits; so must dgamma/dbeta
+    whether or not dx streams (in place: dx overwrites dy as it is written)."""
+    n_cols = 4099  # not a multiple of the vector width: the row tails take the other store
+    n_rows = STREAMING_BYTES // (np.dtype(dtype).itemsize * n_cols) + 1
+    rng = np.random.default_rng(11)
+    x = random_input(rng, (n_rows, n_cols), dtype, offset=5.0)
+    gamma, beta = random_params(rng, (n_cols,), dtype)
+    dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    y, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=2)
+    assert y.nbytes >= STREAMING_BYTES
+    dy_in = dy.copy()
+    dx, dgamma, dbeta = fastln.layer_norm_backward(dy_in, cache, gamma, num_threads=2,
+                                                   out=dy_in if in_place else None)
+    assert (dx is dy_in) == in_place
+    rows = np.array([0, 1, n_rows // 2, n_rows - 1])
+    y_few, cache_few = fastln.layer_norm_forward(x[rows], gamma, beta)
+    assert_bitwise_equal(y_few, y[rows], err_msg="y")
+    dx_few = fastln.layer_norm_backward(dy[rows], cache_few, gamma)[0]
+    assert_bitwise_equal(dx_few, dx[rows], err_msg="dx")
+    # dgamma/dbeta do not depend on where dx went: a fresh dx and one thread give the same sums
+    _, dgamma_again, dbeta_again = fastln.layer_norm_backward(dy, cache, gamma, num_threads=1)
+    assert_bitwise_equal(dgamma_again, dgamma, err_msg="dgamma")
+    assert_bitwise_equal(dbeta_again, dbeta, err_msg="dbeta")

@@ -28,11 +28,11 @@ FASTLN_INLINE void fastln_ln_backward_accumulate_f64(
 FASTLN_INLINE void fastln_ln_backward_write_row_f32(
     const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
     double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
-    float *dgamma_acc, float *dbeta_acc);
+    float *dgamma_acc, float *dbeta_acc, int streaming);
 FASTLN_INLINE void fastln_ln_backward_write_row_f64(
     const double *dy, const double *x, const double *gamma, double *dx, int64_t n_cols,
     double mean, double mean_correction, double rstd, double total_dxhat,
-    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc);
+    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc, int streaming);
 
 /* The backward's per-row dgamma/dbeta accumulators are FASTLN_ACC_T (fastln/instantiate.h):
  * float32 rows accumulate FASTLN_ROWS_PER_FLUSH rows in float before the caller folds them into
@@ -97,15 +97,15 @@ FASTLN_INLINE void fastln_ln_backward_accumulate_f32(
     }
 }
 
-/* float64 backward rows: the double write pass. */
+/* float64 backward rows: the double write pass (with streaming stores when asked). */
 FASTLN_INLINE void fastln_ln_backward_write_row_f64(
     const double *dy, const double *x, const double *gamma, double *dx, int64_t n_cols,
     double mean, double mean_correction, double rstd, double total_dxhat,
-    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc)
+    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc, int streaming)
 {
     fastln_ln_backward_write_row_double_f64(dy, x, gamma, dx, n_cols, mean, mean_correction,
                                             rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
-                                            dbeta_acc);
+                                            dbeta_acc, streaming);
 }
 
 /* float32 backward rows in float32, like the forward's write pass:
@@ -113,16 +113,16 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * with both means taken in double by the first pass and x_hat centred on a float32 head + tail
  * mean. Subtracting mean(dx_hat) first keeps the cancellation inside one float32 rounding (a
  * one-element row gives dx = 0 exactly). Rows whose rstd does not fit a float32 take the double
- * path. */
+ * path. With streaming set (and dx aligned), dx goes out with non-temporal stores. */
 FASTLN_INLINE void fastln_ln_backward_write_row_f32(
     const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
     double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
-    float *dgamma_acc, float *dbeta_acc)
+    float *dgamma_acc, float *dbeta_acc, int streaming)
 {
     if (!(rstd > 1e-30 && rstd < 1e30)) {
         fastln_ln_backward_write_row_double_f32(dy, x, gamma, dx, n_cols, mean, mean_correction,
                                                 rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
-                                                dbeta_acc);
+                                                dbeta_acc, 0);
         return;
     }
     const float mean_head = (float)mean; /* mean is a float32 value already (the cache's) */
@@ -130,6 +130,7 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f32(
     const float rstd_f = (float)rstd;
     const float mean_dxhat = (float)(total_dxhat / (double)n_cols);
     const float mean_dxhat_xhat = (float)(total_dxhat_xhat / (double)n_cols);
+    const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 16 <= n_cols; i += 16) {
         __builtin_prefetch(dy + n_cols + i, 0, 3);
@@ -147,8 +148,12 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f32(
         dbeta16 += dy16;
         memcpy(dgamma_acc + i, &dgamma16, sizeof dgamma16);
         memcpy(dbeta_acc + i, &dbeta16, sizeof dbeta16);
-        memcpy(dx + i, &dx16, sizeof dx16);
+        if (stream_dx)
+            fastln_stream16_f32(dx + i, dx16);
+        else
+            memcpy(dx + i, &dx16, sizeof dx16);
     }
+    if (stream_dx) fastln_streaming_fence();
     for (; i < n_cols; i++) {
         const float x_hat = ((x[i] - mean_head) - mean_tail) * rstd_f;
         const float dx_hat = gamma ? dy[i] * gamma[i] : dy[i];

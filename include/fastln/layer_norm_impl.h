@@ -168,36 +168,44 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate_double)(
     }
 }
 
-/* dx for eight elements, in double, and their dy * x_hat and dy added to the dgamma/dbeta
- * accumulators (of type FASTLN_ACC_T). */
-FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write8)(
-    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx,
-    double mean, double mean_correction, double rstd, double n, double sum_dxhat,
-    double sum_dxhat_xhat, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
+/* dx for eight elements, in double, returned; their dy * x_hat and dy are added to the
+ * dgamma/dbeta accumulators (of type FASTLN_ACC_T). */
+FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_backward_dx8)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double mean,
+    double mean_correction, double rstd, double n, double sum_dxhat, double sum_dxhat_xhat,
+    FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
 {
     const fastln_d8 dy8 = FASTLN_LOAD8(dy);
     const fastln_d8 x_hat = ((FASTLN_LOAD8(x) - mean) - mean_correction) * rstd;
     const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
     FASTLN_ACC_STORE8(dgamma_acc, FASTLN_ACC_LOAD8(dgamma_acc) + dy8 * x_hat);
     FASTLN_ACC_STORE8(dbeta_acc, FASTLN_ACC_LOAD8(dbeta_acc) + dy8);
-    FASTLN_STORE8(dx, (rstd / n) * ((n * dx_hat - sum_dxhat) - x_hat * sum_dxhat_xhat));
+    return (rstd / n) * ((n * dx_hat - sum_dxhat) - x_hat * sum_dxhat_xhat);
 }
 
-/* The write pass of the backward, all in double: dx, and the dgamma/dbeta accumulators. */
+/* The write pass of the backward, all in double: dx, and the dgamma/dbeta accumulators. With
+ * streaming set (and dx 16-byte aligned) dx is written with FASTLN_STREAM8, non-temporal for
+ * float64. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_cols,
     double mean, double mean_correction, double rstd, double total_dxhat,
-    double total_dxhat_xhat, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
+    double total_dxhat_xhat, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc, int streaming)
 {
     const double n = (double)n_cols;
+    const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 8 <= n_cols; i += 8) {
         __builtin_prefetch(dy + n_cols + i, 0, 3);
         __builtin_prefetch(x + n_cols + i, 0, 3);
-        FASTLN_NAME(fastln_ln_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
-                                               mean, mean_correction, rstd, n, total_dxhat,
-                                               total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
+        const fastln_d8 dx8 = FASTLN_NAME(fastln_ln_backward_dx8)(
+            dy + i, x + i, gamma ? gamma + i : NULL, mean, mean_correction, rstd, n, total_dxhat,
+            total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
+        if (stream_dx)
+            FASTLN_STREAM8(dx + i, dx8);
+        else
+            FASTLN_STORE8(dx + i, dx8);
     }
+    if (stream_dx) fastln_streaming_fence();
     if (i < n_cols) {
         const int rest = (int)(n_cols - i);
         FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
@@ -207,9 +215,9 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
         if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
         memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(FASTLN_ACC_T));
         memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(FASTLN_ACC_T));
-        FASTLN_NAME(fastln_ln_backward_write8)(dy_tail, x_tail, gamma ? gamma_tail : NULL, dx_tail,
-                                               mean, mean_correction, rstd, n, total_dxhat,
-                                               total_dxhat_xhat, dgamma_tail, dbeta_tail);
+        FASTLN_STORE8(dx_tail, FASTLN_NAME(fastln_ln_backward_dx8)(
+            dy_tail, x_tail, gamma ? gamma_tail : NULL, mean, mean_correction, rstd, n,
+            total_dxhat, total_dxhat_xhat, dgamma_tail, dbeta_tail));
         memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
         memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(FASTLN_ACC_T));
         memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(FASTLN_ACC_T));
@@ -224,12 +232,14 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
  * mean would lose the digits that matter when |mean| >> std.
  *
  * dgamma_acc and dbeta_acc (FASTLN_ACC_T, n_cols) are added to: dgamma += dy * x_hat,
- * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). */
+ * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). With streaming set, dx is
+ * written with non-temporal stores (for outputs much larger than the cache). */
 FASTLN_DISPATCH
 static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
     double mean, double rstd, FASTLN_T *dx, int64_t n_cols,
-    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc)
+    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc,
+    int streaming)
 {
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS] = {{0}};
     fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS] = {{0}};
@@ -269,7 +279,7 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
         rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
     FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, mean, mean_correction,
                                               rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
-                                              dbeta_acc);
+                                              dbeta_acc, streaming);
 }
 
 /* dgamma/dbeta: add the per-block partial sums (n_blocks rows of n_cols doubles) in block order,

@@ -36,7 +36,7 @@ cdef extern from "fastln/layer_norm.h" nogil:
         double eps, double *mean_out, double *rstd_out, int streaming)
     void fastln_layer_norm_backward_row_f32(
         const float *dy, const float *x, const float *gamma, double mean, double rstd,
-        float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc)
+        float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc, int streaming)
     void fastln_flush_accumulators_f32(float *accumulators, double *partials, int64_t n)
     int FASTLN_ROWS_PER_FLUSH
     void fastln_sum_block_partials_f32(
@@ -197,7 +197,7 @@ cdef void _backward_block(const uint16_t *dy, const uint16_t *x, const float *ga
                                              n_cols, block_dgamma)
         else:
             fastln_layer_norm_backward_row_f32(buffer, buffer + n_cols, gamma, mean[row],
-                                               rstd[row], buffer, n_cols, row_dgamma, row_dbeta)
+                                               rstd[row], buffer, n_cols, row_dgamma, row_dbeta, 0)
             if (row - row_start + 1) % FASTLN_ROWS_PER_FLUSH == 0 or row == row_end - 1:
                 fastln_flush_accumulators_f32(row_dgamma, block_dgamma, n_cols)
                 fastln_flush_accumulators_f32(row_dbeta, block_dbeta, n_cols)
