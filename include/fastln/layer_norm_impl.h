@@ -34,22 +34,25 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_sums)(
 }
 
 /* rstd of a row whose squares leave double's range, from its deviations around `mean` scaled by
- * the power of two that brings the largest to about 1 (exact scaling: the result is rounded once
- * more, not changed). A plain loop in a fixed order: this path is taken by a handful of rows at
- * most. var_out gets the scaled variance (0 only for a constant row). */
+ * the power of two 2^exponent that brings the largest into [0.5, 1). ldexp scales exactly, also
+ * by powers of two beyond double's range (a subnormal spread needs up to 2^1074). Returns
+ * rstd * 2^-exponent; *exponent_out gets the exponent, whose rstd itself may be beyond double
+ * (eps = 0 and a spread below ~1e-308). A plain loop in a fixed order: this path is taken by a
+ * handful of rows at most. var_out gets the scaled variance (0 only for a constant row). */
 static double FASTLN_NAME(fastln_ln_rescaled_rstd)(
-    const FASTLN_T *x, int64_t n_cols, double mean, double eps, double *var_out)
+    const FASTLN_T *x, int64_t n_cols, double mean, double eps, double *var_out,
+    int *exponent_out)
 {
     double largest = 0.0;
     for (int64_t j = 0; j < n_cols; j++) largest = fmax(largest, fabs((double)x[j] - mean));
     *var_out = 0.0;
+    *exponent_out = 0;
     if (!(largest > 0.0) || isinf(largest)) return 1.0 / sqrt(eps); /* constant row; or beyond */
     int exponent;
     frexp(largest, &exponent);
-    const double scale = ldexp(1.0, -exponent);
     double sum = 0.0, sumsq = 0.0;
     for (int64_t j = 0; j < n_cols; j++) {
-        const double d = ((double)x[j] - mean) * scale;
+        const double d = ldexp((double)x[j] - mean, -exponent);
         sum += d;
         sumsq += d * d;
     }
@@ -57,8 +60,12 @@ static double FASTLN_NAME(fastln_ln_rescaled_rstd)(
     double var = sumsq / (double)n_cols - mean_scaled * mean_scaled;
     if (var < 0.0) var = 0.0;
     *var_out = var;
-    /* 1 / sqrt(var / scale^2 + eps) = scale / sqrt(var + eps * scale^2) */
-    return scale / sqrt(var + eps * scale * scale);
+    /* 1 / sqrt(var * 4^exponent + eps) = 2^-exponent / sqrt(var + eps * 4^-exponent). Where
+     * eps * 4^-exponent passes DBL_MAX, it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
+    const double eps_scaled = ldexp(eps, -2 * exponent);
+    if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps);
+    *exponent_out = -exponent;
+    return 1.0 / sqrt(var + eps_scaled);
 }
 
 /* y = gamma * x_hat + beta for eight elements; gamma and beta may be NULL. */
@@ -97,21 +104,14 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_write_row_double)(
     }
 }
 
-/* Forward of one row of n_cols elements.
+/* The statistics of one row (fastln_ln_stats, layer_norm.h), as the forward takes them and
+ * the backward's rare path takes them again.
  *
- * Statistics come from one read of the row, shifted by its first element: d = x - x[0] is small
+ * They come from one read of the row, shifted by its first element: d = x - x[0] is small
  * whenever the row's spread is small, so sum(d) and sum(d * d) in double do not cancel even when
- * |mean| >> std (the E[x^2] - E[x]^2 trap). y is then written in a second pass while the row is
- * still in cache, centring as (x - shift) - mean(d) so that the large offset never meets the small
- * deviations in one rounding.
- *
- * y may be x itself (in place): each element is read before it is overwritten. gamma and beta may
- * be NULL (ones and zeros). mean_out and rstd_out receive the row's statistics. With streaming
- * set, y is written with non-temporal stores (for outputs much larger than the cache). */
-FASTLN_DISPATCH
-static void FASTLN_NAME(fastln_layer_norm_forward_row)(
-    const FASTLN_T *x, const FASTLN_T *FASTLN_RESTRICT gamma, const FASTLN_T *FASTLN_RESTRICT beta,
-    FASTLN_T *y, int64_t n_cols, double eps, double *mean_out, double *rstd_out, int streaming)
+ * |mean| >> std (the E[x^2] - E[x]^2 trap). */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_statistics)(const FASTLN_T *x, int64_t n_cols,
+                                                     double eps, fastln_ln_stats *stats)
 {
     const double shift = (double)x[0];
     fastln_d8 sum[FASTLN_ACCUMULATORS] = {{0}};
@@ -132,23 +132,69 @@ static void FASTLN_NAME(fastln_layer_norm_forward_row)(
     }
     if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
     double rstd = 1.0 / sqrt(var + eps);
+    double rstd_scaled = rstd;
+    int exponent = 0;
     if ((isfinite(mean_shifted) && !isfinite(var)) || (var < FASTLN_TINY && eps < FASTLN_TINY)) {
         /* Squares that overflow (|x| beyond ~1e154) or underflow (spreads below ~1e-154, with
          * eps too small to matter) in double: take the statistics again on rescaled values.
          * Rare; NaN and Inf rows never come here (their mean_shifted is not finite). */
-        double var_rescaled;
-        rstd = FASTLN_NAME(fastln_ln_rescaled_rstd)(x, n_cols, shift + mean_shifted, eps,
-                                                    &var_rescaled);
-        var = var_rescaled;
+        rstd_scaled = FASTLN_NAME(fastln_ln_rescaled_rstd)(x, n_cols, shift + mean_shifted, eps,
+                                                           &var, &exponent);
+        rstd = ldexp(rstd_scaled, exponent); /* Inf when beyond double */
     }
-    *mean_out = shift + mean_shifted;
-    *rstd_out = rstd;
+    stats->shift = shift;
+    stats->mean_shifted = mean_shifted;
+    stats->var = var;
+    stats->rstd = rstd;
+    stats->rstd_scaled = rstd_scaled;
+    stats->exponent = exponent;
+}
+
+/* y = gamma * x_hat + beta for a row whose rstd is beyond double's range (eps = 0 and a spread
+ * below ~1e-308), with x_hat = ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled: each
+ * deviation is brought to about 1 first. A plain loop: a rare row. In place is fine. */
+static void FASTLN_NAME(fastln_ln_write_row_rescaled)(
+    const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *beta, FASTLN_T *y, int64_t n_cols,
+    const fastln_ln_stats *stats)
+{
+    for (int64_t j = 0; j < n_cols; j++) {
+        double value = ldexp(((double)x[j] - stats->shift) - stats->mean_shifted, stats->exponent)
+                       * stats->rstd_scaled;
+        if (gamma) value *= (double)gamma[j];
+        if (beta) value += (double)beta[j];
+        y[j] = (FASTLN_T)value;
+    }
+}
+
+/* Forward of one row of n_cols elements: the statistics (fastln_ln_statistics) from one read of
+ * the row, then y is written in a second pass while the row is still in cache, centring as
+ * (x - shift) - mean(d) so that the large offset never meets the small deviations in one
+ * rounding.
+ *
+ * y may be x itself (in place): each element is read before it is overwritten. gamma and beta may
+ * be NULL (ones and zeros). mean_out and rstd_out receive the row's statistics; an rstd beyond
+ * double's range (eps = 0 and a spread below ~1e-308) is reported as Inf, its honest float64
+ * value, and the backward then takes the statistics again from x. With streaming set, y is
+ * written with non-temporal stores (for outputs much larger than the cache). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_layer_norm_forward_row)(
+    const FASTLN_T *x, const FASTLN_T *FASTLN_RESTRICT gamma, const FASTLN_T *FASTLN_RESTRICT beta,
+    FASTLN_T *y, int64_t n_cols, double eps, double *mean_out, double *rstd_out, int streaming)
+{
+    fastln_ln_stats stats;
+    FASTLN_NAME(fastln_ln_statistics)(x, n_cols, eps, &stats);
+    *mean_out = stats.shift + stats.mean_shifted;
+    *rstd_out = stats.rstd;
+    if (isinf(stats.rstd) && stats.var > 0.0) {
+        FASTLN_NAME(fastln_ln_write_row_rescaled)(x, gamma, beta, y, n_cols, &stats);
+        return;
+    }
     /* A constant row with eps = 0: every centred value is exactly 0 and x_hat is defined as 0
      * (y = beta), not 0 * inf = NaN. The cache still reports rstd = inf. */
-    const double x_hat_scale = var + eps == 0.0 ? 0.0 : rstd;
+    const double x_hat_scale = stats.var + eps == 0.0 ? 0.0 : stats.rstd;
 
-    FASTLN_NAME(fastln_ln_write_row)(x, gamma, beta, y, n_cols, shift, mean_shifted, x_hat_scale,
-                                     streaming);
+    FASTLN_NAME(fastln_ln_write_row)(x, gamma, beta, y, n_cols, stats.shift, stats.mean_shifted,
+                                     x_hat_scale, streaming);
 }
 
 /* Backward sums over FASTLN_BLOCK elements, all in double: dx_hat = dy * gamma, d = x - mean. */
@@ -224,6 +270,90 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
     }
 }
 
+/* Backward of a row from its statistics taken again from x (fastln_ln_statistics), all in
+ * double, every scaling an exact power of two, in plain loops in a fixed order:
+ *     x_hat = ldexp((x - shift) - mean_shifted, e) * rstd_scaled          (|x_hat| <= sqrt(n))
+ *     g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|                   (|g| < 1)
+ *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), e + k)
+ * so no product leaves double's range unless dx itself does. For the rows the vector passes
+ * cannot take: an rstd beyond the cache's range (Inf: float32 subnormal spreads, float64 ones
+ * with eps = 0), or dy * (x - mean) beyond double's (|x| and |dy| near 1e300). dx may be dy. */
+static void FASTLN_NAME(fastln_ln_backward_row_recomputed)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_cols,
+    double eps, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
+{
+    fastln_ln_stats stats;
+    FASTLN_NAME(fastln_ln_statistics)(x, n_cols, eps, &stats);
+    double largest = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double dx_hat = gamma ? (double)dy[j] * (double)gamma[j] : (double)dy[j];
+        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
+    }
+    int k = 0;
+    if (largest > 0.0) frexp(largest, &k);
+    double sum_g = 0.0, sum_g_xhat = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double x_hat = ldexp(((double)x[j] - stats.shift) - stats.mean_shifted,
+                                   stats.exponent) * stats.rstd_scaled;
+        const double dx_hat = gamma ? (double)dy[j] * (double)gamma[j] : (double)dy[j];
+        const double g = ldexp(dx_hat, -k);
+        sum_g += g;
+        sum_g_xhat += g * x_hat;
+    }
+    const double mean_g = sum_g / (double)n_cols;
+    const double mean_g_xhat = sum_g_xhat / (double)n_cols;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double x_hat = ldexp(((double)x[j] - stats.shift) - stats.mean_shifted,
+                                   stats.exponent) * stats.rstd_scaled;
+        const double dy_j = (double)dy[j];
+        const double g = ldexp(gamma ? dy_j * (double)gamma[j] : dy_j, -k);
+        dgamma_acc[j] += (FASTLN_ACC_T)(dy_j * x_hat);
+        dbeta_acc[j] += (FASTLN_ACC_T)dy_j;
+        dx[j] = (FASTLN_T)ldexp(stats.rstd_scaled * ((g - mean_g) - x_hat * mean_g_xhat),
+                                stats.exponent + k);
+    }
+}
+
+/* The rows whose vector sums did not give a finite sum(dx_hat * x_hat) (rare): returns 0 when
+ * the vector write pass should still do the row (a NaN or Inf in it: their NaN keeps flowing as
+ * it always has), 1 when the row is done here. */
+static int FASTLN_NAME(fastln_ln_backward_row_rare)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_cols,
+    double rstd, double eps, double total_dxhat, FASTLN_ACC_T *dgamma_acc,
+    FASTLN_ACC_T *dbeta_acc)
+{
+    if (isnan(rstd)) return 0;
+    int constant = 1, finite = 1;
+    for (int64_t j = 0; j < n_cols; j++) {
+        constant &= x[j] == x[0];
+        finite &= isfinite((double)dy[j]) && isfinite((double)x[j])
+                  && (!gamma || isfinite((double)gamma[j]));
+    }
+    if (isinf(rstd) && constant) {
+        /* A constant row with eps = 0 (or with an eps so small that 1 / sqrt(eps) is beyond a
+         * float32 cache): the forward wrote beta (x_hat = 0), so dgamma gets nothing from it
+         * and dx = rstd * (dx_hat - mean(dx_hat)) with the row's true rstd, 1 / sqrt(eps):
+         * infinite or NaN with eps = 0, 0 where dy is constant. */
+        const double n = (double)n_cols;
+        const double row_rstd = 1.0 / sqrt(eps);
+        for (int64_t j = 0; j < n_cols; j++) {
+            const double dy_j = (double)dy[j];
+            const double dx_hat = gamma ? dy_j * (double)gamma[j] : dy_j;
+            dgamma_acc[j] += (FASTLN_ACC_T)(dy_j * 0.0); /* x_hat = 0; NaN in dy stays NaN */
+            dbeta_acc[j] += (FASTLN_ACC_T)dy_j;
+            dx[j] = (FASTLN_T)(row_rstd * (dx_hat - total_dxhat / n));
+        }
+        return 1;
+    }
+    /* An Inf rstd of a row that is not constant is the cache's way of saying "beyond my range":
+     * the row is done from x, whatever dy holds. With a finite rstd only overflow brings a row
+     * here when its values are all finite. */
+    if (!isinf(rstd) && !finite) return 0;
+    FASTLN_NAME(fastln_ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc,
+                                                   dbeta_acc);
+    return 1;
+}
+
 /* Backward of one row, the lesson's two-reduction identity:
  *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma.
  *
@@ -231,13 +361,17 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
  * as the shift: the cache may hold the mean rounded to float32, and (x - mean) with that rounded
  * mean would lose the digits that matter when |mean| >> std.
  *
+ * eps is the forward's: rows whose cached rstd is Inf (beyond the cache's range) and rows whose
+ * products overflow double are done from statistics taken again from x
+ * (fastln_ln_backward_row_rare), outside the vector passes.
+ *
  * dgamma_acc and dbeta_acc (FASTLN_ACC_T, n_cols) are added to: dgamma += dy * x_hat,
  * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). With streaming set, dx is
  * written with non-temporal stores (for outputs much larger than the cache). */
 FASTLN_DISPATCH
 static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
-    double mean, double rstd, FASTLN_T *dx, int64_t n_cols,
+    double mean, double rstd, double eps, FASTLN_T *dx, int64_t n_cols,
     FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc,
     int streaming)
 {
@@ -263,20 +397,14 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const double n = (double)n_cols;
     const double mean_correction = fastln_reduce(sum_d) / n;
     const double total_dxhat = fastln_reduce(sum_dxhat);
-    if (isinf(rstd)) {
-        /* A constant row with eps = 0: the forward wrote beta (x_hat = 0), so dgamma gets
-         * nothing from it and dx = rstd * (dx_hat - mean(dx_hat)), infinite or NaN. Rare. */
-        for (int64_t j = 0; j < n_cols; j++) {
-            const double dy_j = (double)dy[j];
-            const double dx_hat = gamma ? dy_j * (double)gamma[j] : dy_j;
-            dgamma_acc[j] += (FASTLN_ACC_T)(dy_j * 0.0); /* x_hat = 0; NaN in dy stays NaN */
-            dbeta_acc[j] += (FASTLN_ACC_T)dy_j;
-            dx[j] = (FASTLN_T)(rstd * (dx_hat - total_dxhat / n));
-        }
-        return;
-    }
     const double total_dxhat_xhat =
         rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
+    /* Not finite: an Inf rstd (a constant row with eps = 0, or beyond the cache's range), a
+     * product that overflowed, or a NaN or Inf in the row. Rare. */
+    if (!isfinite(total_dxhat_xhat)
+        && FASTLN_NAME(fastln_ln_backward_row_rare)(dy, x, gamma, dx, n_cols, rstd, eps,
+                                                    total_dxhat, dgamma_acc, dbeta_acc))
+        return;
     FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, mean, mean_correction,
                                               rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
                                               dbeta_acc, streaming);

@@ -32,22 +32,18 @@ FASTLN_INLINE double FASTLN_NAME(fastln_rms_sum_squares)(const FASTLN_T *x, int6
     return fastln_reduce(sumsq);
 }
 
-/* 1 / sqrt(mean(x * x) + eps) of one row.
- *
- * The sum of squares is in double, where float32 squares can neither overflow nor underflow.
- * A float64 row can: squares beyond about 1e154 overflow, and with eps = 0 squares below about
- * 1e-154 lose their digits. Such a row (rare, tested outside the hot loop) is summed again scaled
- * by the power of two `scale` that brings max|x| into [0.5, 1) (so the scaling is exact):
- *     rstd = scale / sqrt(mean((x * scale)^2) + eps * scale^2).
- * An all-zero row gives 1 / sqrt(eps), and Inf when eps = 0 (the caller then writes y = 0). */
-FASTLN_INLINE double FASTLN_NAME(fastln_rms_row_rstd)(const FASTLN_T *x, int64_t n_cols,
-                                                      double eps)
+/* rstd * 2^-exponent of a row whose squares leave double's range (rare, outside the hot loop),
+ * summed again scaled by the power of two 2^exponent that brings max|x| into [0.5, 1) (so the
+ * scaling is exact), at most 2^1023 (the largest double power of two: a subnormal row then
+ * lands at 2^-51 or above, where squares keep their digits):
+ *     rstd = 2^exponent / sqrt(mean((x * 2^exponent)^2) + eps * 4^exponent).
+ * *exponent_out gets the exponent (0 when eps dwarfs every square); rstd itself may be beyond
+ * double (eps = 0 and a row below ~1e-308). An all-zero row gives 1 / sqrt(eps), Inf when
+ * eps = 0; a row holding an Inf gives 0 (mean(x * x) is Inf). */
+static double FASTLN_NAME(fastln_rms_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, double eps,
+                                                    int *exponent_out)
 {
-    const double n = (double)n_cols;
-    const double mean_square = FASTLN_NAME(fastln_rms_sum_squares)(x, n_cols, 1.0) / n;
-    if (mean_square <= DBL_MAX && mean_square + eps >= DBL_MIN) /* false for Inf and NaN */
-        return 1.0 / sqrt(mean_square + eps);
-    if (mean_square != mean_square) return mean_square; /* NaN in the row */
+    *exponent_out = 0;
     double max_abs = 0.0;
     for (int64_t i = 0; i < n_cols; i++) {
         const double magnitude = fabs((double)x[i]);
@@ -57,11 +53,47 @@ FASTLN_INLINE double FASTLN_NAME(fastln_rms_row_rstd)(const FASTLN_T *x, int64_t
     if (max_abs == 0.0) return 1.0 / sqrt(eps);     /* all zeros */
     int exponent;
     frexp(max_abs, &exponent);
-    const double scale = ldexp(1.0, -exponent);
+    exponent = exponent < -1023 ? 1023 : -exponent;
+    const double scale = ldexp(1.0, exponent);
     const double eps_scaled = (eps * scale) * scale;
     if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps); /* eps dwarfs every square */
-    const double scaled = FASTLN_NAME(fastln_rms_sum_squares)(x, n_cols, scale) / n;
-    return scale / sqrt(scaled + eps_scaled);
+    const double scaled = FASTLN_NAME(fastln_rms_sum_squares)(x, n_cols, scale) / (double)n_cols;
+    *exponent_out = exponent;
+    return 1.0 / sqrt(scaled + eps_scaled);
+}
+
+/* 1 / sqrt(mean(x * x) + eps) of one row.
+ *
+ * The sum of squares is in double, where float32 squares can neither overflow nor underflow.
+ * A float64 row can: squares beyond about 1e154 overflow, and with eps = 0 squares below about
+ * 1e-154 lose their digits. Such a row is summed again rescaled (fastln_rms_rescaled_rstd). An
+ * all-zero row gives 1 / sqrt(eps), and Inf when eps = 0 (the caller then writes y = 0); so does
+ * a row whose rstd is beyond double's range (eps = 0 and values below ~1e-308). */
+FASTLN_INLINE double FASTLN_NAME(fastln_rms_row_rstd)(const FASTLN_T *x, int64_t n_cols,
+                                                      double eps)
+{
+    const double n = (double)n_cols;
+    const double mean_square = FASTLN_NAME(fastln_rms_sum_squares)(x, n_cols, 1.0) / n;
+    if (mean_square <= DBL_MAX && mean_square + eps >= DBL_MIN) /* false for Inf and NaN */
+        return 1.0 / sqrt(mean_square + eps);
+    if (mean_square != mean_square) return mean_square; /* NaN in the row */
+    int exponent;
+    const double rstd_scaled = FASTLN_NAME(fastln_rms_rescaled_rstd)(x, n_cols, eps, &exponent);
+    return ldexp(rstd_scaled, exponent);
+}
+
+/* y = gamma * (ldexp(x, exponent) * rstd_scaled) for a row whose rstd is beyond double's range
+ * (eps = 0 and values below ~1e-308): each value is brought to about 1 first. A plain loop: a
+ * rare row. In place is fine. */
+static void FASTLN_NAME(fastln_rms_write_row_rescaled)(
+    const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *y, int64_t n_cols, int exponent,
+    double rstd_scaled)
+{
+    for (int64_t i = 0; i < n_cols; i++) {
+        double value = ldexp((double)x[i], exponent) * rstd_scaled;
+        if (gamma) value *= (double)gamma[i];
+        y[i] = (FASTLN_T)value;
+    }
 }
 
 /* y = gamma * (x * rstd) for eight elements; gamma may be NULL. */
@@ -85,7 +117,19 @@ static void FASTLN_NAME(fastln_rms_norm_forward_row)(
 {
     const double rstd = FASTLN_NAME(fastln_rms_row_rstd)(x, n_cols, eps);
     *rstd_out = rstd;
-    /* rstd = Inf only for an all-zero row with eps = 0: x_hat is defined as 0 there (as
+    if (isinf(rstd)) {
+        /* Beyond double's range (reported as Inf, its honest float64 value: the backward then
+         * takes rstd again from x), or an all-zero row with eps = 0. Rare. */
+        int exponent;
+        const double rstd_scaled = FASTLN_NAME(fastln_rms_rescaled_rstd)(x, n_cols, eps,
+                                                                         &exponent);
+        if (!isinf(rstd_scaled)) {
+            FASTLN_NAME(fastln_rms_write_row_rescaled)(x, gamma, y, n_cols, exponent,
+                                                       rstd_scaled);
+            return;
+        }
+    }
+    /* rstd = Inf here only for an all-zero row with eps = 0: x_hat is defined as 0 there (as
      * LayerNorm does for a constant row), not 0 * Inf = NaN. */
     const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
     int64_t i = 0;
@@ -127,19 +171,64 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write8)(
     FASTLN_STORE8(dx, rstd * (dx_hat - x_hat * mean_dxhat_xhat));
 }
 
+/* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is beyond
+ * the cache's range (float32 values below ~1e-38, float64 ones below ~1e-308 with eps = 0), so
+ * it is taken again from x, all in double, every scaling an exact power of two, in plain loops
+ * in a fixed order:
+ *     x_hat = ldexp(x, e) * rstd_scaled,   g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|
+ *     dx = ldexp(rstd_scaled * (g - x_hat * mean(g * x_hat)), e + k)
+ * Returns 0 (and does nothing) for an all-zero row. dx may be dy. */
+static int FASTLN_NAME(fastln_rms_backward_row_recomputed)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double eps, FASTLN_T *dx,
+    int64_t n_cols, double *dgamma_acc)
+{
+    double rstd_scaled = FASTLN_NAME(fastln_rms_row_rstd)(x, n_cols, eps);
+    int exponent = 0;
+    if (isinf(rstd_scaled))
+        rstd_scaled = FASTLN_NAME(fastln_rms_rescaled_rstd)(x, n_cols, eps, &exponent);
+    if (isinf(rstd_scaled)) return 0; /* all zeros with eps = 0 */
+    double largest = 0.0;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double dx_hat = gamma ? (double)dy[i] * (double)gamma[i] : (double)dy[i];
+        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
+    }
+    int k = 0;
+    if (largest > 0.0) frexp(largest, &k);
+    double sum_g_xhat = 0.0;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double dx_hat = gamma ? (double)dy[i] * (double)gamma[i] : (double)dy[i];
+        sum_g_xhat += ldexp(dx_hat, -k) * (ldexp((double)x[i], exponent) * rstd_scaled);
+    }
+    const double mean_g_xhat = sum_g_xhat / (double)n_cols;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double dy_i = (double)dy[i];
+        const double x_hat = ldexp((double)x[i], exponent) * rstd_scaled;
+        const double g = ldexp(gamma ? dy_i * (double)gamma[i] : dy_i, -k);
+        dgamma_acc[i] += dy_i * x_hat;
+        dx[i] = (FASTLN_T)ldexp(rstd_scaled * (g - x_hat * mean_g_xhat), exponent + k);
+    }
+    return 1;
+}
+
 /* Backward of one row. With x_hat = x * rstd and dx_hat = dy * gamma,
  *     dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat))
  * (the LayerNorm identity without the mean terms). x_hat is formed before any product, so
  * rows of huge or tiny magnitude neither overflow nor underflow.
  *
  * dgamma_acc (double, n_cols) is added to: dgamma += dy * x_hat. dx may be dy itself (in
- * place). gamma may be NULL (ones). An all-zero row with eps = 0 (rstd = Inf) has x_hat = 0, as
- * in the forward; its dx is then Inf * dx_hat: the gradient of x / |x| at 0 does not exist. */
+ * place). gamma may be NULL (ones). eps is the forward's. An all-zero row with eps = 0
+ * (rstd = Inf) has x_hat = 0, as in the forward; its dx is then Inf * dx_hat: the gradient of
+ * x / |x| at 0 does not exist. Any other row with an Inf rstd has an rstd beyond the cache's
+ * range and is done from x (fastln_rms_backward_row_recomputed). */
 FASTLN_DISPATCH
 static void FASTLN_NAME(fastln_rms_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
-    double rstd, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc)
+    double rstd, double eps, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc)
 {
+    if (isinf(rstd)
+        && FASTLN_NAME(fastln_rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols,
+                                                           dgamma_acc))
+        return;
     const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
     fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS] = {{0}};
     int64_t i = 0;

@@ -28,11 +28,11 @@ cdef extern from "fastln/rms_norm.h" nogil:
         const double *x, const double *gamma, double *y, int64_t n_cols, double eps,
         double *rstd_out)
     void fastln_rms_norm_backward_row_f32(
-        const float *dy, const float *x, const float *gamma, double rstd, float *dx,
-        int64_t n_cols, double *dgamma_acc)
+        const float *dy, const float *x, const float *gamma, double rstd, double eps,
+        float *dx, int64_t n_cols, double *dgamma_acc)
     void fastln_rms_norm_backward_row_f64(
-        const double *dy, const double *x, const double *gamma, double rstd, double *dx,
-        int64_t n_cols, double *dgamma_acc)
+        const double *dy, const double *x, const double *gamma, double rstd, double eps,
+        double *dx, int64_t n_cols, double *dgamma_acc)
 
 cdef extern from "fastln/add_norm.h" nogil:
     void fastln_add_layer_norm_forward_row_f32(
@@ -216,7 +216,7 @@ def rms_norm_forward(cnp.ndarray x, object gamma, cnp.ndarray y, object rstd, do
 
 cdef int _rms_backward_rows(const floating *dy, const floating *x, const floating *gamma,
                             const floating *rstd, floating *dx, floating *dgamma,
-                            Py_ssize_t n_rows, Py_ssize_t n_cols,
+                            Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
                             int num_threads) noexcept nogil:
     """Returns -1 when the scratch for the dgamma partial sums cannot be allocated."""
     cdef Py_ssize_t n_blocks = _row_blocks(n_rows)
@@ -232,11 +232,11 @@ cdef int _rms_backward_rows(const floating *dy, const floating *x, const floatin
         for row in range(block * rows_per_block, min((block + 1) * rows_per_block, n_rows)):
             if floating is float:
                 fastln_rms_norm_backward_row_f32(dy + row * n_cols, x + row * n_cols, gamma,
-                                                 rstd[row], dx + row * n_cols, n_cols,
+                                                 rstd[row], eps, dx + row * n_cols, n_cols,
                                                  partials + block * n_cols)
             else:
                 fastln_rms_norm_backward_row_f64(dy + row * n_cols, x + row * n_cols, gamma,
-                                                 rstd[row], dx + row * n_cols, n_cols,
+                                                 rstd[row], eps, dx + row * n_cols, n_cols,
                                                  partials + block * n_cols)
     if floating is float:
         fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
@@ -247,8 +247,9 @@ cdef int _rms_backward_rows(const floating *dy, const floating *x, const floatin
 
 
 def rms_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray rstd,
-                      cnp.ndarray dx, cnp.ndarray dgamma, int num_threads):
-    """RMSNorm backward over the rows of the 2-D arrays dy and x into dx and dgamma."""
+                      cnp.ndarray dx, cnp.ndarray dgamma, double eps, int num_threads):
+    """RMSNorm backward over the rows of the 2-D arrays dy and x into dx and dgamma; eps is the
+    forward's (rows whose cached rstd is Inf are done from x again)."""
     cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
     cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
     cdef void *dy_data = cnp.PyArray_DATA(dy)
@@ -263,13 +264,13 @@ def rms_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray r
             status = _rms_backward_rows(
                 <const float*>dy_data, <const float*>x_data, <const float*>gamma_data,
                 <const float*>rstd_data, <float*>dx_data, <float*>dgamma_data,
-                n_rows, n_cols, num_threads)
+                n_rows, n_cols, eps, num_threads)
     else:
         with nogil:
             status = _rms_backward_rows(
                 <const double*>dy_data, <const double*>x_data, <const double*>gamma_data,
                 <const double*>rstd_data, <double*>dx_data, <double*>dgamma_data,
-                n_rows, n_cols, num_threads)
+                n_rows, n_cols, eps, num_threads)
     if status != 0:
         raise MemoryError("rms_norm_backward: cannot allocate the dgamma partial sums")
 

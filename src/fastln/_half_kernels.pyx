@@ -36,7 +36,7 @@ cdef extern from "fastln/layer_norm.h" nogil:
         double eps, double *mean_out, double *rstd_out, int streaming)
     void fastln_layer_norm_backward_row_f32(
         const float *dy, const float *x, const float *gamma, double mean, double rstd,
-        float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc, int streaming)
+        double eps, float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc, int streaming)
     void fastln_flush_accumulators_f32(float *accumulators, double *partials, int64_t n)
     int FASTLN_ROWS_PER_FLUSH
     void fastln_sum_block_partials_f32(
@@ -47,8 +47,8 @@ cdef extern from "fastln/rms_norm.h" nogil:
         const float *x, const float *gamma, float *y, int64_t n_cols, double eps,
         double *rstd_out)
     void fastln_rms_norm_backward_row_f32(
-        const float *dy, const float *x, const float *gamma, double rstd, float *dx,
-        int64_t n_cols, double *dgamma_acc)
+        const float *dy, const float *x, const float *gamma, double rstd, double eps,
+        float *dx, int64_t n_cols, double *dgamma_acc)
 
 # The thresholds of fastln._kernels and fastln._family_kernels: below MIN_ELEMENTS_FOR_THREADS
 # elements a call runs on the calling thread; backward sums dgamma/dbeta over blocks of at least
@@ -178,7 +178,7 @@ cdef void _backward_block(const uint16_t *dy, const uint16_t *x, const float *ga
                           const float *mean, const float *rstd, uint16_t *dx,
                           double *block_dgamma, double *block_dbeta, float *row_dgamma,
                           float *row_dbeta, float *buffer, Py_ssize_t row_start,
-                          Py_ssize_t row_end, Py_ssize_t n_cols, bint rms,
+                          Py_ssize_t row_end, Py_ssize_t n_cols, bint rms, double eps,
                           int kind) noexcept nogil:
     """Rows [row_start, row_end): dx, and their dgamma (dbeta) added to the block's partials.
 
@@ -193,11 +193,12 @@ cdef void _backward_block(const uint16_t *dy, const uint16_t *x, const float *ga
         fastln_half_to_float_row(dy + offset, buffer, n_cols, kind)
         fastln_half_to_float_row(x + offset, buffer + n_cols, n_cols, kind)
         if rms:
-            fastln_rms_norm_backward_row_f32(buffer, buffer + n_cols, gamma, rstd[row], buffer,
-                                             n_cols, block_dgamma)
+            fastln_rms_norm_backward_row_f32(buffer, buffer + n_cols, gamma, rstd[row], eps,
+                                             buffer, n_cols, block_dgamma)
         else:
             fastln_layer_norm_backward_row_f32(buffer, buffer + n_cols, gamma, mean[row],
-                                               rstd[row], buffer, n_cols, row_dgamma, row_dbeta, 0)
+                                               rstd[row], eps, buffer, n_cols, row_dgamma,
+                                               row_dbeta, 0)
             if (row - row_start + 1) % FASTLN_ROWS_PER_FLUSH == 0 or row == row_end - 1:
                 fastln_flush_accumulators_f32(row_dgamma, block_dgamma, n_cols)
                 fastln_flush_accumulators_f32(row_dbeta, block_dbeta, n_cols)
@@ -208,20 +209,20 @@ cdef inline void _run_block(const uint16_t *dy, const uint16_t *x, const float *
                             const float *mean, const float *rstd, uint16_t *dx, double *partials,
                             float *accumulators, float *buffer, Py_ssize_t block,
                             Py_ssize_t n_blocks, Py_ssize_t rows_per_block, Py_ssize_t n_rows,
-                            Py_ssize_t n_cols, bint rms, int kind) noexcept nogil:
+                            Py_ssize_t n_cols, bint rms, double eps, int kind) noexcept nogil:
     """Block `block` of the fixed layout, with its own rows of partials and accumulators."""
     _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
                     partials + (n_blocks + block) * n_cols if not rms else NULL,
                     accumulators + block * n_cols if not rms else NULL,
                     accumulators + (n_blocks + block) * n_cols if not rms else NULL,
                     buffer, block * rows_per_block, min((block + 1) * rows_per_block, n_rows),
-                    n_cols, rms, kind)
+                    n_cols, rms, eps, kind)
 
 
 cdef int _backward_rows(const uint16_t *dy, const uint16_t *x, const float *gamma,
                         const float *mean, const float *rstd, uint16_t *dx, float *dgamma,
-                        float *dbeta, Py_ssize_t n_rows, Py_ssize_t n_cols, bint rms, int kind,
-                        int num_threads) noexcept nogil:
+                        float *dbeta, Py_ssize_t n_rows, Py_ssize_t n_cols, bint rms, double eps,
+                        int kind, int num_threads) noexcept nogil:
     """Returns -1 when scratch memory cannot be allocated."""
     cdef Py_ssize_t n_blocks = _row_blocks(n_rows)
     cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
@@ -246,7 +247,7 @@ cdef int _backward_rows(const uint16_t *dy, const uint16_t *x, const float *gamm
         else:
             for block in range(n_blocks):
                 _run_block(dy, x, gamma, mean, rstd, dx, partials, accumulators, buffer, block,
-                           n_blocks, rows_per_block, n_rows, n_cols, rms, kind)
+                           n_blocks, rows_per_block, n_rows, n_cols, rms, eps, kind)
         free(buffer)
     else:
         with parallel(num_threads=num_threads):
@@ -256,7 +257,8 @@ cdef int _backward_rows(const uint16_t *dy, const uint16_t *x, const float *gamm
                     n_failed += 1
                 else:
                     _run_block(dy, x, gamma, mean, rstd, dx, partials, accumulators, buffer,
-                               block, n_blocks, rows_per_block, n_rows, n_cols, rms, kind)
+                               block, n_blocks, rows_per_block, n_rows, n_cols, rms, eps,
+                               kind)
             free(buffer)
     if n_failed == 0:
         fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
@@ -268,10 +270,11 @@ cdef int _backward_rows(const uint16_t *dy, const uint16_t *x, const float *gamm
 
 
 def norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, object mean, cnp.ndarray rstd,
-                  cnp.ndarray dx, cnp.ndarray dgamma, object dbeta, bint rms, int kind,
-                  int num_threads):
+                  cnp.ndarray dx, cnp.ndarray dgamma, object dbeta, bint rms, double eps,
+                  int kind, int num_threads):
     """Backward over the rows of the 2-D half arrays dy and x into dx (half) and the float32
-    dgamma and (LayerNorm) dbeta; mean (LayerNorm) and rstd are the forward's float32 stats."""
+    dgamma and (LayerNorm) dbeta; mean (LayerNorm) and rstd are the forward's float32 stats, and
+    eps its eps."""
     cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
     cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
     cdef const uint16_t *dy_data = <const uint16_t*>cnp.PyArray_DATA(dy)
@@ -285,7 +288,8 @@ def norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, object mean, cnp.
     cdef int status
     with nogil:
         status = _backward_rows(dy_data, x_data, gamma_data, mean_data, rstd_data, dx_data,
-                                dgamma_data, dbeta_data, n_rows, n_cols, rms, kind, num_threads)
+                                dgamma_data, dbeta_data, n_rows, n_cols, rms, eps, kind,
+                                num_threads)
     if status != 0:
         raise MemoryError("cannot allocate the scratch of a half-precision backward")
 

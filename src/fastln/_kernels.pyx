@@ -43,12 +43,12 @@ cdef extern from "fastln/layer_norm.h" nogil:
         double eps, double *mean_out, double *rstd_out, int streaming)
     void fastln_layer_norm_backward_row_f32(
         const float *dy, const float *x, const float *gamma, double mean, double rstd,
-        float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc, int streaming)
+        double eps, float *dx, int64_t n_cols, float *dgamma_acc, float *dbeta_acc, int streaming)
     void fastln_flush_accumulators_f32(float *accumulators, double *partials, int64_t n)
     int FASTLN_ROWS_PER_FLUSH
     void fastln_layer_norm_backward_row_f64(
         const double *dy, const double *x, const double *gamma, double mean, double rstd,
-        double *dx, int64_t n_cols, double *dgamma_acc, double *dbeta_acc, int streaming)
+        double eps, double *dx, int64_t n_cols, double *dgamma_acc, double *dbeta_acc, int streaming)
     void fastln_sum_block_partials_f32(
         double *partials, int64_t n_blocks, int64_t n_cols, float *out)
     void fastln_sum_block_partials_f64(
@@ -207,7 +207,7 @@ cdef inline void _backward_block(const floating *dy, const floating *x, const fl
                                  double *block_dgamma, double *block_dbeta,
                                  floating *row_dgamma, floating *row_dbeta, Py_ssize_t row_start,
                                  Py_ssize_t row_end, Py_ssize_t n_cols,
-                                 bint streaming) noexcept nogil:
+                                 double eps, bint streaming) noexcept nogil:
     """Rows [row_start, row_end): dx, and their dgamma/dbeta added to the block's partials.
 
     float32 rows add into float accumulators (row_dgamma/row_dbeta), folded into the double
@@ -217,21 +217,22 @@ cdef inline void _backward_block(const floating *dy, const floating *x, const fl
     for row in range(row_start, row_end):
         if floating is float:
             fastln_layer_norm_backward_row_f32(
-                dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
+                dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row], eps,
                 dx + row * n_cols, n_cols, row_dgamma, row_dbeta, streaming)
             if (row - row_start + 1) % FASTLN_ROWS_PER_FLUSH == 0 or row == row_end - 1:
                 fastln_flush_accumulators_f32(row_dgamma, block_dgamma, n_cols)
                 fastln_flush_accumulators_f32(row_dbeta, block_dbeta, n_cols)
         else:
             fastln_layer_norm_backward_row_f64(
-                dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row],
+                dy + row * n_cols, x + row * n_cols, gamma, mean[row], rstd[row], eps,
                 dx + row * n_cols, n_cols, block_dgamma, block_dbeta, streaming)
 
 
 cdef int _backward_rows(const floating *dy, const floating *x, const floating *gamma,
                         const floating *mean, const floating *rstd, floating *dx,
                         floating *dgamma, floating *dbeta,
-                        Py_ssize_t n_rows, Py_ssize_t n_cols, int num_threads) noexcept nogil:
+                        Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
+                        int num_threads) noexcept nogil:
     """Returns -1 when the scratch for the dgamma/dbeta partial sums cannot be allocated."""
     cdef Py_ssize_t n_blocks = min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
     cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
@@ -255,14 +256,16 @@ cdef int _backward_rows(const floating *dy, const floating *x, const floating *g
                             partials + (n_blocks + block) * n_cols,
                             accumulators + block * n_cols,
                             accumulators + (n_blocks + block) * n_cols, block * rows_per_block,
-                            min((block + 1) * rows_per_block, n_rows), n_cols, streaming)
+                            min((block + 1) * rows_per_block, n_rows), n_cols, eps,
+                            streaming)
     else:
         for block in range(n_blocks):
             _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
                             partials + (n_blocks + block) * n_cols,
                             accumulators + block * n_cols,
                             accumulators + (n_blocks + block) * n_cols, block * rows_per_block,
-                            min((block + 1) * rows_per_block, n_rows), n_cols, streaming)
+                            min((block + 1) * rows_per_block, n_rows), n_cols, eps,
+                            streaming)
     if floating is float:
         fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
         fastln_sum_block_partials_f32(partials + n_blocks * n_cols, n_blocks, n_cols, dbeta)
@@ -276,18 +279,19 @@ cdef int _backward_rows(const floating *dy, const floating *x, const floating *g
 
 def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
                         cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma,
-                        cnp.ndarray dbeta, int num_threads):
-    """Backward over the rows of the 2-D arrays dy and x into dx, dgamma and dbeta."""
+                        cnp.ndarray dbeta, double eps, int num_threads):
+    """Backward over the rows of the 2-D arrays dy and x into dx, dgamma and dbeta; eps is the
+    forward's (rows whose cached rstd is Inf are done from x again)."""
     _run_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, cnp.PyArray_DIM(x, 0),
-                  cnp.PyArray_DIM(x, 1), num_threads)
+                  cnp.PyArray_DIM(x, 1), eps, num_threads)
 
 
-def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object gamma,
-                             object out, object num_threads):
+def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object eps,
+                             object gamma, object out, object num_threads):
     """(dx, dgamma, dbeta) for a cache normalized over x's last axis; None for the general path.
 
-    x, mean and rstd come from a LayerNormCache; dy must already be a kernel array of x's dtype
-    and shape.
+    x, mean, rstd and eps come from a LayerNormCache; dy must already be a kernel array of x's
+    dtype and shape.
     """
     if type(x) is not cnp.ndarray or type(dy) is not cnp.ndarray:
         return None
@@ -304,7 +308,8 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
     cdef int threads = _fast_num_threads(num_threads)
-    if (threads == 0 or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)
+    if (threads == 0 or not _is_fast_eps(eps) or not _is_param(gamma, typenum, n_cols)
+            or not _is_fast_out(out, x_array)
             or not _is_kernel_array(mean, typenum) or not _is_kernel_array(rstd, typenum)
             or cnp.PyArray_SIZE(<cnp.ndarray>mean) != n_rows
             or cnp.PyArray_SIZE(<cnp.ndarray>rstd) != n_rows):
@@ -321,13 +326,14 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
     dbeta = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
     _run_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
                   <cnp.ndarray>dx, <cnp.ndarray>dgamma, <cnp.ndarray>dbeta, n_rows, n_cols,
-                  threads)
+                  <double>eps, threads)
     return dx, dgamma, dbeta
 
 
 cdef int _run_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
                        cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma, cnp.ndarray dbeta,
-                       Py_ssize_t n_rows, Py_ssize_t n_cols, int num_threads) except -1:
+                       Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
+                       int num_threads) except -1:
     cdef void *dy_data = cnp.PyArray_DATA(dy)
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *gamma_data = _data(gamma)
@@ -342,13 +348,13 @@ cdef int _run_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray 
             status = _backward_rows(
                 <const float*>dy_data, <const float*>x_data, <const float*>gamma_data,
                 <const float*>mean_data, <const float*>rstd_data, <float*>dx_data,
-                <float*>dgamma_data, <float*>dbeta_data, n_rows, n_cols, num_threads)
+                <float*>dgamma_data, <float*>dbeta_data, n_rows, n_cols, eps, num_threads)
     else:
         with nogil:
             status = _backward_rows(
                 <const double*>dy_data, <const double*>x_data, <const double*>gamma_data,
                 <const double*>mean_data, <const double*>rstd_data, <double*>dx_data,
-                <double*>dgamma_data, <double*>dbeta_data, n_rows, n_cols, num_threads)
+                <double*>dgamma_data, <double*>dbeta_data, n_rows, n_cols, eps, num_threads)
     if status != 0:
         raise MemoryError("layer_norm_backward: cannot allocate the dgamma/dbeta partial sums")
     return 0

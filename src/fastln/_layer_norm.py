@@ -33,6 +33,9 @@ class RowNormCache:
         The forward's input itself, not a copy: it must not be modified before the backward.
     rstd : ndarray of shape x.shape[:axis], in y's dtype (float32 for float16/bfloat16)
         Each row's 1 / sqrt(var + eps) (LayerNorm) or 1 / sqrt(mean(x**2) + eps) (RMSNorm).
+        Where that exceeds the dtype's range (eps = 0 or nearly, and a spread below ~1e-38 in
+        float32, ~1e-308 in float64) it is inf, its honest value in that dtype; the backward
+        then takes that row's statistics again from x, in float64.
     axis : int
         The first normalized axis (non-negative).
     eps : float
@@ -163,7 +166,10 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     cache : LayerNormCache
         ``cache.mean`` and ``cache.rstd`` have shape ``x.shape[:axis]`` and y's dtype. The cache
         refers to x without copying it: do not modify x before calling the backward. For the
-        same reason ``out`` may not overlap x here.
+        same reason ``out`` may not overlap x here. A row whose rstd exceeds the dtype's range
+        (a non-constant row of subnormal spread with eps = 0) has ``cache.rstd`` inf, and
+        :func:`layer_norm_backward` recomputes that row's statistics from x; a constant row
+        with eps = 0 has inf too (its x_hat is 0).
 
     Examples
     --------
@@ -240,7 +246,8 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy : array_like
         Gradient of the loss with respect to y: y's shape and dtype.
     cache : LayerNormCache
-        From :func:`layer_norm_forward`.
+        From :func:`layer_norm_forward`. A row whose ``cache.rstd`` is inf (beyond the dtype's
+        range, see there) takes its statistics again from ``cache.x`` and ``cache.eps``.
     gamma : array_like of shape ``x.shape[axis:]``, optional
         The scale the forward used (None: ones).
     out : ndarray, optional
@@ -271,8 +278,8 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """
     if (type(cache) is LayerNormCache and type(cache.x) is np.ndarray
             and cache.axis == cache.x.ndim - 1):
-        result = _kernels.layer_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd, gamma,
-                                                   out, num_threads)
+        result = _kernels.layer_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd,
+                                                   cache.eps, gamma, out, num_threads)
         if result is not None:
             return result
     dy = as_array(dy, "dy")
@@ -299,9 +306,10 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dbeta = np.empty(normalized_shape, stats_dtype)
     if is_half(dtype):
         _half_kernels.norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
-                                    dgamma.reshape(-1), dbeta.reshape(-1), False, half_kind(dtype),
-                                    num_threads)
+                                    dgamma.reshape(-1), dbeta.reshape(-1), False, cache.eps,
+                                    half_kind(dtype), num_threads)
     else:
         _kernels.layer_norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
-                                     dgamma.reshape(-1), dbeta.reshape(-1), num_threads)
+                                     dgamma.reshape(-1), dbeta.reshape(-1), cache.eps,
+                                     num_threads)
     return dx, dgamma, dbeta

@@ -68,8 +68,8 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     ``x.shape[:axis]``, as in ONNX ``RMSNormalization`` (opset 23) and
     ``torch.nn.functional.rms_norm``. Unlike LayerNorm there is no mean subtraction and no
     shift. Squares are summed in float64 (float32 values near 1e20 do not overflow; float64 rows
-    whose squares would overflow are rescaled), and an all-zero row gives zeros, not NaN,
-    whenever ``eps > 0``.
+    whose squares would overflow or underflow are rescaled), and an all-zero row gives zeros,
+    not NaN, also with ``eps = 0``.
 
     Parameters
     ----------
@@ -111,7 +111,9 @@ def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=
     cache : RMSNormCache
         ``cache.rstd`` has shape ``x.shape[:axis]`` and y's dtype. The cache refers to x
         without copying it: do not modify x before calling the backward. For the same reason
-        ``out`` may not overlap x here.
+        ``out`` may not overlap x here. A row whose rstd exceeds the dtype's range (subnormal
+        values with eps = 0) has ``cache.rstd`` inf, and :func:`rms_norm_backward` recomputes
+        that row's rstd from x; an all-zero row with eps = 0 has inf too (its x_hat is 0).
 
     Examples
     --------
@@ -136,7 +138,9 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dy : array_like
         Gradient of the loss with respect to y: y's shape and dtype.
     cache : RMSNormCache
-        From :func:`rms_norm_forward` (or :func:`fastln.add_rms_norm_forward`).
+        From :func:`rms_norm_forward` (or :func:`fastln.add_rms_norm_forward`). A row whose
+        ``cache.rstd`` is inf and whose values are not all zero (rstd beyond the dtype's range)
+        takes its rstd again from ``cache.x`` and ``cache.eps``.
     gamma : array_like of shape ``x.shape[axis:]``, optional
         The scale the forward used (None: ones).
     out : ndarray, optional
@@ -181,8 +185,9 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dgamma = np.empty(normalized_shape, stats_dtype)
     if is_half(dtype):
         _half_kernels.norm_backward(dy_rows, x_rows, gamma, None, rstd, dx_rows,
-                                    dgamma.reshape(-1), None, True, half_kind(dtype), num_threads)
+                                    dgamma.reshape(-1), None, True, cache.eps, half_kind(dtype),
+                                    num_threads)
     else:
         _family_kernels.rms_norm_backward(dy_rows, x_rows, gamma, rstd, dx_rows,
-                                          dgamma.reshape(-1), num_threads)
+                                          dgamma.reshape(-1), cache.eps, num_threads)
     return dx, dgamma

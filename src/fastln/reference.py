@@ -39,6 +39,10 @@ def _standardize(row, eps):
         return np.zeros_like(row), row[0], std_inv               #  eps = 0, x_hat is 0, not NaN)
     mu = np.mean(row)                           # scalar
     var = np.mean((row - mu) ** 2)              # population variance (divide by H, not H - 1)
+    if var + eps == 0:                          # not constant, but the squares underflowed (a
+        scale = 2.0 ** 600                      # subnormal spread, eps = 0): redo it exactly
+        x_hat, mu, std_inv = _standardize(row * scale, eps)    # scaled; x_hat does not change
+        return x_hat, mu / scale, std_inv * scale              # (std_inv may be inf: > 1e308)
     std_inv = 1 / math.sqrt(var + eps)          # eps inside the square root
     x_hat = (row - mu) * std_inv                # standardized row
     return x_hat, mu, std_inv
@@ -168,6 +172,10 @@ def _write_out(result, out):
 def _rms_standardize(row, eps):
     """(x_hat, std_inv) of one row: divide by the root-mean-square, no mean subtraction."""
     mean_square = np.mean(row ** 2)             # float64 squares, no mean subtraction
+    if mean_square + eps == 0 and np.any(row):  # the squares underflowed (subnormal x, eps = 0):
+        scale = 2.0 ** 600                      # redo it exactly scaled; x_hat does not change
+        x_hat, std_inv = _rms_standardize(row * scale, eps)
+        return x_hat, std_inv * scale           # (std_inv may be inf: > 1e308)
     if mean_square + eps == 0:                  # an all-zero row with eps = 0: x_hat is 0
         return np.zeros_like(row), math.inf
     std_inv = 1 / math.sqrt(mean_square + eps)
