@@ -360,6 +360,237 @@ def test_large_offsets(rng, dtype, offset, axis):
 
 
 # ---------------------------------------------------------------------------------------------
+# Extreme float64 ranges (issue 7): features whose squares overflow or underflow in float64
+# ---------------------------------------------------------------------------------------------
+#
+# BatchNorm is exactly invariant under scaling x by a power of two c with eps scaled by c**2:
+# y, dgamma and dbeta do not change, mean is multiplied by c, var by c**2, rstd and dx divided
+# by c (and dx, dgamma, dbeta multiplied by c' when dy is scaled by c'). The expected results
+# are the reference's on scaled data, where nothing overflows or underflows, scaled back to
+# float64 - out-of-range values included: the variance of values ~1e300 is inf, and so is the
+# rstd of a subnormal spread with eps = 0.
+
+def _rescaled_reference(x, dy, gamma, beta, eps, axis, x_exponent, dy_exponent=0):
+    """The reference on x * 2**x_exponent (eps * 4**x_exponent) and dy * 2**dy_exponent, its
+    results scaled back: y, the cache's mean and rstd, the batch variance, dx, dgamma, dbeta."""
+    n_features = x.shape[axis]
+    batch_mean, batch_var = np.zeros(n_features), np.zeros(n_features)  # (momentum=0 below)
+    y, cache = reference.batch_norm_forward(
+        np.ldexp(x, x_exponent), gamma, beta, batch_mean, batch_var, training=True,
+        momentum=0.0, eps=math.ldexp(eps, 2 * x_exponent), axis=axis)
+    dx, dgamma, dbeta = reference.batch_norm_backward(np.ldexp(dy, dy_exponent), cache, gamma)
+    with np.errstate(over="ignore", under="ignore"):
+        return dict(y=y, mean=np.ldexp(cache.mean, -x_exponent),
+                    rstd=np.ldexp(cache.rstd, x_exponent),
+                    var=np.ldexp(batch_var, -2 * x_exponent),
+                    dx=np.ldexp(dx, x_exponent - dy_exponent),
+                    dgamma=np.ldexp(dgamma, -dy_exponent), dbeta=np.ldexp(dbeta, -dy_exponent))
+
+
+def _assert_close_at_its_scale(actual, desired, name, rtol=1e-11):
+    """Within rtol of the largest finite |desired| (these values may all be ~1e-300, where the
+    usual floor of 1 would accept anything), and the same infinities where desired has them."""
+    actual = np.asarray(actual, np.float64)
+    desired = np.asarray(desired, np.float64)
+    finite = np.isfinite(desired)
+    np.testing.assert_array_equal(actual[~finite], desired[~finite], err_msg=name)
+    if finite.any():
+        size = float(np.max(np.abs(desired[finite])))
+        np.testing.assert_allclose(actual[finite], desired[finite], rtol=rtol, atol=rtol * size,
+                                   err_msg=name)
+
+
+# name: (size of x, offset of x in units of its size, eps, x_exponent, size of dy, dy_exponent);
+# the exponents bring the values to about 1 for the reference.
+EXTREMES = {
+    "huge 1e300": (1e300, 0.0, 1e-5, -1000, 1e-3, 0),           # squares overflow
+    "huge 1e300 offset": (1e300, 3.0, 1e-5, -1000, 1e-3, 0),    # all of one sign
+    "huge 1e200": (1e200, 0.0, 1e-5, -665, 1e-3, 0),
+    "huge x and dy": (1e300, 0.0, 1e-5, -1000, 1e300, -1000),   # and so does dy * (x - mean)
+    "tiny 1e-162 eps 0": (1e-162, 0.0, 0.0, 600, 1e-3, 0),      # squares underflow, in part
+    "tiny 1e-162 eps 1e-320": (1e-162, 0.0, 1e-320, 600, 1e-3, 0),  # var and eps both count
+    "subnormal 1e-309 eps 0": (1e-309, 0.0, 0.0, 1000, 1e-3, 0),    # rstd beyond float64
+    "subnormal 1e-309 eps 1e-320": (1e-309, 0.0, 1e-320, 1000, 1e-3, 0),  # eps dominates
+}
+
+
+@pytest.mark.parametrize("shape, axis", [((37, 5), -1), ((6, 3, 7), 1)],
+                         ids=["rows", "segments"])
+@pytest.mark.parametrize("case", sorted(EXTREMES))
+def test_float64_extreme_ranges_match_the_rescaled_reference(rng, case, shape, axis):
+    """Forward (y, the cache, the running statistics) and backward of features whose squares
+    leave float64's range: the reference's results on rescaled data, not NaN, inf or noise."""
+    x_size, x_offset, eps, x_exponent, dy_size, dy_exponent = EXTREMES[case]
+    n_features = shape[axis]
+    x = x_size * (x_offset + rng.standard_normal(shape))
+    dy = dy_size * rng.standard_normal(shape)
+    gamma, beta = random_params(rng, (n_features,), np.float64)
+    expected = _rescaled_reference(x, dy, gamma, beta, eps, axis, x_exponent, dy_exponent)
+    assert np.all(np.isfinite(expected["y"])) and np.all(np.isfinite(expected["dx"]))
+
+    running_mean, running_var = _running(rng, n_features)
+    old_mean, old_var = running_mean.copy(), running_var.copy()
+    y, cache = fastln.batch_norm_forward(x, gamma, beta, running_mean, running_var,
+                                         training=True, eps=eps, axis=axis)
+    dx, dgamma, dbeta = fastln.batch_norm_backward(dy, cache, gamma)
+    _assert_close_at_its_scale(y, expected["y"], "y")
+    _assert_close_at_its_scale(cache.mean, expected["mean"], "mean")
+    _assert_close_at_its_scale(cache.rstd, expected["rstd"], "rstd")
+    # running_var takes the batch variance as float64 has it: inf for 1e300 (variance 1e600)
+    with np.errstate(over="ignore"):
+        _assert_close_at_its_scale(running_mean, 0.9 * old_mean + 0.1 * expected["mean"],
+                                   "running_mean")
+        _assert_close_at_its_scale(running_var, 0.9 * old_var + 0.1 * expected["var"],
+                                   "running_var")
+    _assert_close_at_its_scale(dx, expected["dx"], "dx")
+    _assert_close_at_its_scale(dgamma, expected["dgamma"], "dgamma")
+    _assert_close_at_its_scale(dbeta, expected["dbeta"], "dbeta")
+
+
+def test_float64_huge_values_whose_shifted_sum_overflows():
+    """A feature's sum of x - x[0] can overflow before its squares do: values near 1e308 with
+    the first far from the rest."""
+    x = np.array([-8e307, 8e307, 7e307, 8.5e307, 9e307, 6e307])[:, None] * [1.0, -1.0]
+    dy = np.array([1.0, -2.0, 0.5, 3.0, -1.0, 2.0])[:, None] * [1.0, 2.0]
+    expected = _rescaled_reference(x, dy, None, None, 1e-5, -1, -1020)
+    y, cache = fastln.batch_norm_forward(x, training=True)
+    dx, dgamma, dbeta = fastln.batch_norm_backward(dy, cache)
+    for name, actual in dict(y=y, mean=cache.mean, rstd=cache.rstd, dx=dx, dgamma=dgamma,
+                             dbeta=dbeta).items():
+        _assert_close_at_its_scale(actual, expected[name], name)
+
+
+def test_float64_subnormal_feature_with_eps_zero_keeps_a_cache_rstd_of_inf(rng):
+    """The true rstd (~5e308) is beyond float64: the cache says inf, honestly, and the backward
+    (which cannot use it) recomputes the feature's statistics from x."""
+    x = np.array([1.0, -2.0, 3.0, 0.5])[:, None] * 1e-309
+    y, cache = fastln.batch_norm_forward(x, training=True, eps=0.0)
+    assert np.isinf(cache.rstd[0])
+    dy = np.array([1.0, -2.0, 0.5, 3.0])[:, None] * 1e-309  # subnormal too: dx ~ 1
+    expected = _rescaled_reference(x, dy, None, None, 0.0, -1, 1000)
+    _assert_close_at_its_scale(y, expected["y"], "y")
+    dx, dgamma, _ = fastln.batch_norm_backward(dy, cache)
+    _assert_close_at_its_scale(dx, expected["dx"], "dx")
+    _assert_close_at_its_scale(dgamma, expected["dgamma"], "dgamma")
+
+
+@pytest.mark.parametrize("shape, axis", [((4100, 20), -1), ((40, 20, 103), 1)],
+                         ids=["rows", "segments"])
+def test_extreme_features_in_a_batch_of_ordinary_ones(rng, shape, axis):
+    """Huge, tiny and subnormal features among ordinary ones (eps = 0 for all): bit-for-bit
+    the same for every thread count and in place; the ordinary features bit-for-bit what they
+    are without the others; the extreme ones what the rescaled reference says."""
+    n_features = shape[axis]
+    x = rng.standard_normal(shape)
+    sizes = {3: 1e300, 7: 1e-309, 11: 1e-162}
+    for feature, size in sizes.items():
+        np.moveaxis(x, axis, 0)[feature] *= size
+    dy = rng.standard_normal(shape)
+    gamma, beta = random_params(rng, (n_features,), np.float64)
+
+    def run(num_threads, in_place=False):
+        kwargs = dict(training=True, eps=0.0, axis=axis, num_threads=num_threads)
+        y, cache = fastln.batch_norm_forward(x, gamma, beta, **kwargs)
+        if in_place:
+            y = x.copy()
+            fastln.batch_norm(y, gamma, beta, out=y, **kwargs)
+        dy_in = dy.copy()
+        grads = fastln.batch_norm_backward(dy_in, cache, gamma, num_threads=num_threads,
+                                           out=dy_in if in_place else None)
+        return (y, cache.mean, cache.rstd) + grads
+
+    results = run(1)
+    for other in (run(2), run(3), run(3, in_place=True), run(1, in_place=True)):
+        for got, want in zip(other, results):
+            assert_bitwise_equal(got, want)
+
+    ordinary = [c for c in range(n_features) if c not in sizes]
+    alone = np.ascontiguousarray(np.take(x, ordinary, axis=axis))
+    y_alone, cache_alone = fastln.batch_norm_forward(alone, gamma[ordinary], beta[ordinary],
+                                                     training=True, eps=0.0, axis=axis)
+    dx_alone, dgamma_alone, dbeta_alone = fastln.batch_norm_backward(
+        np.ascontiguousarray(np.take(dy, ordinary, axis=axis)), cache_alone, gamma[ordinary])
+    y, mean, rstd, dx, dgamma, dbeta = results
+    assert_bitwise_equal(np.take(y, ordinary, axis=axis), y_alone)
+    assert_bitwise_equal(np.take(dx, ordinary, axis=axis), dx_alone)
+    assert_bitwise_equal(mean[ordinary], cache_alone.mean)
+    assert_bitwise_equal(rstd[ordinary], cache_alone.rstd)
+    assert_bitwise_equal(dgamma[ordinary], dgamma_alone)
+    assert_bitwise_equal(dbeta[ordinary], dbeta_alone)
+
+    for feature, size in sizes.items():
+        x_exponent = -math.frexp(size)[1]  # brings the feature to about 1
+        one = [feature]
+        expected = _rescaled_reference(np.take(x, one, axis=axis), np.take(dy, one, axis=axis),
+                                       gamma[one], beta[one], 0.0, axis, x_exponent)
+        with np.errstate(over="ignore"):  # dx of the subnormal feature is beyond float64
+            _assert_close_at_its_scale(np.take(y, one, axis=axis), expected["y"], "y")
+            _assert_close_at_its_scale(np.take(dx, one, axis=axis), expected["dx"], "dx")
+        _assert_close_at_its_scale(rstd[one], expected["rstd"], "rstd")
+        _assert_close_at_its_scale(dgamma[one], expected["dgamma"], "dgamma")
+
+
+def test_running_statistics_of_huge_features():
+    """The batch variance of values ~1e300 is ~1e600: running_var becomes inf (float64's honest
+    answer; evaluation mode then normalizes that feature to beta), except with momentum = 1,
+    which leaves it as it was (not 0 * inf = NaN). running_mean stays finite."""
+    x = np.array([[3e300, 1.0], [-1e300, 2.0], [2e300, 4.0], [5e299, 8.0]])
+    for momentum, expected_var in ((0.9, np.inf), (1.0, 2.0)):
+        running_mean, running_var = np.array([0.5, 0.5]), np.array([2.0, 2.0])
+        fastln.batch_norm(x, running_mean=running_mean, running_var=running_var, training=True,
+                          momentum=momentum)
+        assert running_var[0] == expected_var
+        assert np.all(np.isfinite(running_mean)) and np.isfinite(running_var[1])
+    beta = np.array([3.0, 0.0])
+    y = fastln.batch_norm(x, beta=beta, running_mean=running_mean, running_var=[np.inf, 1.0])
+    assert_bitwise_equal(y[:, 0], np.full(4, 3.0))
+
+
+def test_float64_tiny_features_update_running_var_with_their_float64_variance():
+    """Values ~1e-162 have a variance below float64's smallest number: 0 goes into running_var."""
+    x = np.array([1.0, -2.0, 3.0, 0.5])[:, None] * 1e-162
+    running_mean, running_var = np.zeros(1), np.ones(1)
+    fastln.batch_norm(x, running_mean=running_mean, running_var=running_var, training=True,
+                      momentum=0.5, eps=0.0)
+    assert_bitwise_equal(running_var, np.array([0.5]))
+    assert_close(running_mean, [0.5 * 0.625e-162], rtol=1e-15, atol=0.0)
+
+
+@pytest.mark.parametrize("size, dy_size", [(1e38, 1e30), (1e-40, 1e-6)],
+                         ids=["huge 1e38", "subnormal 1e-40"])
+@pytest.mark.parametrize("axis", [-1, 0], ids=["rows", "segments"])
+def test_float32_extreme_ranges(rng, size, dy_size, axis):
+    """float32 values near both ends of float32 (eps = 0): statistics in double cannot overflow
+    or underflow, so the reference on the same values is the answer (dy is chosen so that dx
+    fits float32)."""
+    x = (size * rng.standard_normal((40, 3))).astype(np.float32)
+    dy = (dy_size * rng.standard_normal((40, 3))).astype(np.float32)
+    if axis == 0:
+        x, dy = np.ascontiguousarray(x.T), np.ascontiguousarray(dy.T)
+    expected_y, expected_cache = reference.batch_norm_forward(x, training=True, eps=0.0,
+                                                              axis=axis)
+    expected_grads = reference.batch_norm_backward(dy, expected_cache)
+    y, cache = fastln.batch_norm_forward(x, training=True, eps=0.0, axis=axis)
+    grads = fastln.batch_norm_backward(dy, cache)
+    _assert_close_at_its_scale(y, expected_y, "y", rtol=2e-5)
+    _assert_close_at_its_scale(cache.mean, expected_cache.mean, "mean", rtol=1e-12)
+    _assert_close_at_its_scale(cache.rstd, expected_cache.rstd, "rstd", rtol=1e-12)
+    for name, got, want in zip(("dx", "dgamma", "dbeta"), grads, expected_grads):
+        assert np.all(np.isfinite(want)), name
+        _assert_close_at_its_scale(got, want, name, rtol=2e-5)
+
+
+def test_reference_gives_inf_not_zero_division_for_a_subnormal_feature_with_eps_zero():
+    """The reference's float64 variance of a subnormal spread underflows to 0; with eps = 0 its
+    1 / sqrt(0) is inf, as float64 arithmetic has it, not a ZeroDivisionError (the tests above
+    hold fastln to the reference on rescaled values instead)."""
+    x = np.array([1.0, -2.0, 3.0, 0.5])[:, None] * 1e-309
+    with np.errstate(divide="ignore", invalid="ignore"):
+        _, cache = reference.batch_norm_forward(x, training=True, eps=0.0)
+    assert np.isinf(cache.rstd[0])
+
+
+# ---------------------------------------------------------------------------------------------
 # PyTorch: batch_norm with its momentum converted
 # ---------------------------------------------------------------------------------------------
 

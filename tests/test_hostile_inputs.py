@@ -869,7 +869,8 @@ def assert_agrees(actual, desired, allowed, name, ignore=None):
     sign when both are infinite). Which non-finite value a poisoned element gets depends on
     the order of the arithmetic (inf - inf), so NaN and Inf may stand for each other; for the
     same reason a result within a factor 16 of the largest float may overflow to an infinity
-    of its sign. Elements where `ignore` (broadcast) is true are not compared."""
+    of its sign - in either: the reference's on rescaled values may be the one that overflows.
+    Elements where `ignore` (broadcast) is true are not compared."""
     actual = np.asarray(actual)
     largest = float(np.finfo(actual.dtype).max) if actual.dtype.kind == "f" else np.inf
     actual = actual.astype(np.float64)
@@ -880,6 +881,8 @@ def assert_agrees(actual, desired, allowed, name, ignore=None):
     with np.errstate(invalid="ignore"):
         overflowed = (finite & (np.abs(desired) > largest / 16)
                       & (actual == np.sign(desired) * np.inf))
+        overflowed |= (np.isinf(desired) & (np.abs(actual) > largest / 16)
+                       & (np.sign(actual) == np.sign(desired)))
         bad = (finite != np.isfinite(actual)) & ~overflowed
         bad |= np.isinf(desired) & np.isinf(actual) & (actual != desired)
         bad |= finite & np.isfinite(actual) & ~(np.abs(actual - desired) <= allowed)

@@ -15,10 +15,18 @@
  *
  * Statistics are accumulated in double, shifted by a value of the feature itself (its first
  * value), so features with |mean| >> std do not cancel (the LayerNorm trap, down a column). The
- * per-feature finishing steps (fastln_bn_*_constants) are plain loops over the features. */
+ * per-feature finishing steps (fastln_bn_*_constants) are plain loops over the features.
+ *
+ * float64 features can leave double's range where float32 ones cannot: squares of values beyond
+ * ~1e154 overflow, and with eps ~ 0 squares of spreads below ~1e-154 underflow. The finishing
+ * steps let such a feature through (NaN, or a variance that is only rounding noise); the rare
+ * path of batch_norm_impl.h (fastln_bn_rescale_*), run after them and tested per feature, takes
+ * its statistics again on deviations scaled by an exact power of two. The hot loops never see
+ * it. */
 #ifndef FASTLN_BATCH_NORM_H
 #define FASTLN_BATCH_NORM_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -110,6 +118,38 @@ static inline void fastln_bn_backward_constants(
         mean_dy_out[c] = training ? sum_dy[c] / count : 0.0;
         coef_out[c] = training && !isinf(rstd[c]) ? rstd[c] * dgamma / count : 0.0;
     }
+}
+
+/* The rare path takes a feature again when its variance and eps are both below this (its
+ * squares may have underflowed; LayerNorm's FASTLN_TINY), and in the backward when rstd is above
+ * FASTLN_BN_RSTD_HUGE = 1 / sqrt(FASTLN_BN_TINY) (its dy * (x - mean) may underflow). */
+#define FASTLN_BN_TINY 1e-250
+#define FASTLN_BN_RSTD_HUGE 1e125
+
+/* 1 / sqrt(var + eps) as rstd_scaled * 2^exponent, given var = var_scaled * 2^(-2 exponent):
+ * 1 / sqrt(var_scaled + eps * 2^(2 exponent)). When eps * 2^(2 exponent) is beyond double, var
+ * (below eps by more than double's range) is nothing next to eps. */
+static inline double fastln_bn_scaled_rstd(double var_scaled, double eps, int exponent)
+{
+    const double eps_scaled = ldexp(eps, 2 * exponent);
+    if (isinf(eps_scaled)) return ldexp(1.0 / sqrt(eps), -exponent);
+    return 1.0 / sqrt(var_scaled + eps_scaled);
+}
+
+/* The backward's rstd / 2^exponent: the cache's rstd exactly, when it is a normal double; else
+ * (inf: beyond double, for spreads below ~5e-309 with eps = 0; or subnormal, for spreads near
+ * double's largest) recomputed as the forward did. */
+static inline double fastln_bn_backward_scaled_rstd(double rstd, double var_scaled, double eps,
+                                                    int exponent)
+{
+    return isnormal(rstd) ? ldexp(rstd, -exponent)
+                          : fastln_bn_scaled_rstd(var_scaled, eps, exponent);
+}
+
+/* scaled * 2^exponent is what the write passes can use: a normal double, or an exact 0. */
+static inline int fastln_bn_in_range(double scaled, int exponent)
+{
+    return scaled == 0.0 || isnormal(ldexp(scaled, exponent));
 }
 
 #define FASTLN_TEMPLATE "fastln/batch_norm_impl.h"

@@ -175,6 +175,15 @@ def update_running(running, momentum, batch_stat):
     running[...] = momentum * running.astype(FLOAT64) + (1.0 - momentum) * batch_stat
 
 
+def update_running_var(running_var, momentum, batch_var):
+    """update_running for the variance, whose batch value may be inf for finite x (a spread
+    beyond ~1e154; Inf in x gives NaN instead): momentum = 1 gives it weight 0, and 0 * inf
+    would make running_var NaN where momentum = 1 leaves it as it is."""
+    if momentum == 1.0:
+        batch_var = np.where(np.isinf(batch_var), 0.0, batch_var)
+    update_running(running_var, momentum, batch_var)
+
+
 # ---------------------------------------------------------------------------------------------
 # API
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +220,7 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
         rstd[...] = 1.0 / np.sqrt(running_var + eps)
     if training and running_mean is not None and n_features > 0:
         update_running(running_mean, momentum, mean)
-        update_running(running_var, momentum, var)
+        update_running_var(running_var, momentum, var)
     if not keep_cache:
         return y
     return y, BatchNormCache(x, mean, rstd, axis, eps, training, dtype)
@@ -240,7 +249,12 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
 
     Statistics are accumulated in float64, each feature shifted by one of its own values, so
     features with ``|mean| >> std`` keep their precision; results are identical for every
-    ``num_threads``.
+    ``num_threads``. float64 features whose squares would overflow or underflow (values beyond
+    ~1e154, or spreads below ~1e-125 with eps below 1e-250) are taken again rescaled by an exact
+    power of two, forward and backward. Their batch variance is still reported as it is in
+    float64: ``inf`` for spreads beyond ~1e154 (so running_var becomes ``inf``, and evaluation
+    mode then gives y = beta for them), 0 below ~1e-162; likewise ``cache.rstd`` is ``inf`` for
+    spreads below ~5e-309 with ``eps=0``, and the backward recomputes it from x.
 
     Parameters
     ----------
@@ -375,5 +389,5 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     _family_kernels.batch_norm_backward(
         dy_data, x_data, dx, dgamma, dbeta, n_outer, n_features, n_inner, gamma,
         as_kernel_array(cache.mean, FLOAT64), as_kernel_array(cache.rstd, FLOAT64),
-        cache.training, num_threads)
+        cache.training, cache.eps, num_threads)
     return dx, dgamma, dbeta

@@ -139,6 +139,42 @@ cdef extern from "fastln/batch_norm.h" nogil:
     void fastln_bn_scale_segment_f32(const float *dy, float *dx, int64_t n_inner, double k)
     void fastln_bn_scale_segment_f64(const double *dy, double *dx, int64_t n_inner, double k)
 
+    # the rare path: features whose statistics leave double's range
+    int64_t fastln_bn_rescale_train_f32(
+        const float *x, int64_t n_outer, int64_t n_features, int64_t n_inner,
+        const double *gamma, double eps, double *mean, double *var, double *rstd,
+        double *shift, double *center, double *scale, double *offset, int64_t *finish_out)
+    int64_t fastln_bn_rescale_train_f64(
+        const double *x, int64_t n_outer, int64_t n_features, int64_t n_inner,
+        const double *gamma, double eps, double *mean, double *var, double *rstd,
+        double *shift, double *center, double *scale, double *offset, int64_t *finish_out)
+    void fastln_bn_finish_rescaled_f32(
+        float *y, int64_t n_outer, int64_t n_features, int64_t n_inner, int64_t feature,
+        double mean, const double *gamma, const double *beta, double eps)
+    void fastln_bn_finish_rescaled_f64(
+        double *y, int64_t n_outer, int64_t n_features, int64_t n_inner, int64_t feature,
+        double mean, const double *gamma, const double *beta, double eps)
+    int64_t fastln_bn_rescale_backward_f32(
+        const float *dy, const float *x, int64_t n_outer, int64_t n_features, int64_t n_inner,
+        const double *gamma, double eps, const double *mean, const double *rstd,
+        const double *sum_dy, const double *sum_dy_d, const double *sum_d,
+        double *dgamma_out, double *correction_out, double *k_out, double *mean_dy_out,
+        double *coef_out, int64_t *finish_out)
+    int64_t fastln_bn_rescale_backward_f64(
+        const double *dy, const double *x, int64_t n_outer, int64_t n_features,
+        int64_t n_inner, const double *gamma, double eps, const double *mean,
+        const double *rstd, const double *sum_dy, const double *sum_dy_d, const double *sum_d,
+        double *dgamma_out, double *correction_out, double *k_out, double *mean_dy_out,
+        double *coef_out, int64_t *finish_out)
+    void fastln_bn_finish_rescaled_backward_f32(
+        float *dx, const float *x, int64_t n_outer, int64_t n_features, int64_t n_inner,
+        int64_t feature, double mean, double rstd, const double *gamma, double eps,
+        double dgamma, double sum_dy)
+    void fastln_bn_finish_rescaled_backward_f64(
+        double *dx, const double *x, int64_t n_outer, int64_t n_features, int64_t n_inner,
+        int64_t feature, double mean, double rstd, const double *gamma, double eps,
+        double dgamma, double sum_dy)
+
 # The same thresholds as fastln._kernels. Below MIN_ELEMENTS_FOR_THREADS elements a call runs
 # on the calling thread. Row-kernel backwards sum dgamma over blocks of at least
 # MIN_ROWS_PER_BLOCK rows, at most MAX_BLOCKS blocks: the layout depends only on n_rows.
@@ -461,8 +497,10 @@ cdef int _bn_forward(const floating *x, floating *y, Py_ssize_t n_outer, Py_ssiz
     """Returns -1 when scratch memory cannot be allocated."""
     cdef BlockLayout layout = _bn_layout(n_outer, n_features, n_inner)
     cdef Py_ssize_t n_partials = 2 * layout.n_blocks * n_features
-    # shift, center, scale, offset, sum, sumsq (one double per feature each)
-    cdef double *constants = <double*>calloc(6 * n_features, sizeof(double))
+    cdef Py_ssize_t n_finish = 0, i
+    # shift, center, scale, offset, sum, sumsq (one double per feature each), and the indices
+    # of the features the rare path finishes after the write pass (int64, as wide as a double)
+    cdef double *constants = <double*>calloc(7 * n_features, sizeof(double))
     cdef double *partials = NULL
     cdef double *shift = constants
     cdef double *center = constants + n_features
@@ -470,6 +508,7 @@ cdef int _bn_forward(const floating *x, floating *y, Py_ssize_t n_outer, Py_ssiz
     cdef double *offset = constants + 3 * n_features
     cdef double *total_sum = constants + 4 * n_features
     cdef double *total_sumsq = constants + 5 * n_features
+    cdef int64_t *finish = <int64_t*>(constants + 6 * n_features)
     if constants == NULL:
         return -1
     if training:
@@ -490,10 +529,25 @@ cdef int _bn_forward(const floating *x, floating *y, Py_ssize_t n_outer, Py_ssiz
         fastln_bn_train_constants(n_features, <double>(n_outer * n_inner), shift, total_sum,
                                   total_sumsq, gamma, beta, eps, mean, var, rstd, center, scale,
                                   offset)
+        if floating is float:
+            n_finish = fastln_bn_rescale_train_f32(x, n_outer, n_features, n_inner, gamma, eps,
+                                                   mean, var, rstd, shift, center, scale,
+                                                   offset, finish)
+        else:
+            n_finish = fastln_bn_rescale_train_f64(x, n_outer, n_features, n_inner, gamma, eps,
+                                                   mean, var, rstd, shift, center, scale,
+                                                   offset, finish)
     else:
         fastln_bn_eval_constants(n_features, running_mean, running_var, gamma, beta, eps, mean,
                                  rstd, shift, center, scale, offset)
     _bn_apply(x, y, n_outer, n_features, n_inner, shift, center, scale, offset, num_threads)
+    for i in range(n_finish):
+        if floating is float:
+            fastln_bn_finish_rescaled_f32(y, n_outer, n_features, n_inner, finish[i],
+                                          mean[finish[i]], gamma, beta, eps)
+        else:
+            fastln_bn_finish_rescaled_f64(y, n_outer, n_features, n_inner, finish[i],
+                                          mean[finish[i]], gamma, beta, eps)
     free(constants)
     return 0
 
@@ -634,13 +688,15 @@ cdef void _bn_backward_apply(const floating *dy, const floating *x, floating *dx
 cdef int _bn_backward(const floating *dy, const floating *x, floating *dx, floating *dgamma,
                       floating *dbeta, Py_ssize_t n_outer, Py_ssize_t n_features,
                       Py_ssize_t n_inner, const double *gamma, const double *mean,
-                      const double *rstd, bint training, int num_threads) noexcept nogil:
+                      const double *rstd, bint training, double eps,
+                      int num_threads) noexcept nogil:
     """Returns -1 when scratch memory cannot be allocated."""
     cdef BlockLayout layout = _bn_layout(n_outer, n_features, n_inner)
     cdef Py_ssize_t n_partial = layout.n_blocks * n_features
-    cdef Py_ssize_t c
-    # sum_dy, sum_dy_d, sum_d, dgamma, dbeta, correction, k, mean_dy, coef
-    cdef double *constants = <double*>calloc(9 * n_features, sizeof(double))
+    cdef Py_ssize_t c, i, n_finish = 0
+    # sum_dy, sum_dy_d, sum_d, dgamma, dbeta, correction, k, mean_dy, coef, and the indices of
+    # the features the rare path finishes after the dx pass (int64, as wide as a double)
+    cdef double *constants = <double*>calloc(10 * n_features, sizeof(double))
     cdef double *partials = <double*>calloc(3 * n_partial, sizeof(double))
     cdef double *sums = constants
     cdef double *dgamma_total = constants + 3 * n_features
@@ -649,6 +705,7 @@ cdef int _bn_backward(const floating *dy, const floating *x, floating *dx, float
     cdef double *k = constants + 6 * n_features
     cdef double *mean_dy = constants + 7 * n_features
     cdef double *coef = constants + 8 * n_features
+    cdef int64_t *finish = <int64_t*>(constants + 9 * n_features)
     if constants == NULL or partials == NULL:
         free(constants)
         free(partials)
@@ -662,11 +719,32 @@ cdef int _bn_backward(const floating *dy, const floating *x, floating *dx, float
     fastln_bn_backward_constants(n_features, <double>(n_outer * n_inner), training, rstd, gamma,
                                  sums, sums + n_features, sums + 2 * n_features, dgamma_total,
                                  dbeta_total, correction, k, mean_dy, coef)
+    if training:
+        if floating is float:
+            n_finish = fastln_bn_rescale_backward_f32(
+                dy, x, n_outer, n_features, n_inner, gamma, eps, mean, rstd, sums,
+                sums + n_features, sums + 2 * n_features, dgamma_total, correction, k, mean_dy,
+                coef, finish)
+        else:
+            n_finish = fastln_bn_rescale_backward_f64(
+                dy, x, n_outer, n_features, n_inner, gamma, eps, mean, rstd, sums,
+                sums + n_features, sums + 2 * n_features, dgamma_total, correction, k, mean_dy,
+                coef, finish)
     for c in range(n_features):
         dgamma[c] = <floating>dgamma_total[c]
         dbeta[c] = <floating>dbeta_total[c]
     _bn_backward_apply(dy, x, dx, n_outer, n_features, n_inner, training, mean, correction, k,
                        mean_dy, coef, num_threads)
+    for i in range(n_finish):
+        c = finish[i]
+        if floating is float:
+            fastln_bn_finish_rescaled_backward_f32(dx, x, n_outer, n_features, n_inner, c,
+                                                   mean[c], rstd[c], gamma, eps,
+                                                   dgamma_total[c], sums[c])
+        else:
+            fastln_bn_finish_rescaled_backward_f64(dx, x, n_outer, n_features, n_inner, c,
+                                                   mean[c], rstd[c], gamma, eps,
+                                                   dgamma_total[c], sums[c])
     free(constants)
     return 0
 
@@ -674,10 +752,11 @@ cdef int _bn_backward(const floating *dy, const floating *x, floating *dx, float
 def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarray dgamma,
                         cnp.ndarray dbeta, Py_ssize_t n_outer, Py_ssize_t n_features,
                         Py_ssize_t n_inner, object gamma, cnp.ndarray mean, cnp.ndarray rstd,
-                        bint training, int num_threads):
+                        bint training, double eps, int num_threads):
     """BatchNorm backward into dx (x's layout) and dgamma, dbeta (n_features,).
 
-    gamma: float64 (n_features,) or None; mean, rstd: float64 (n_features,) from the forward."""
+    gamma: float64 (n_features,) or None; mean, rstd: float64 (n_features,) and eps from the
+    forward (eps for the rare features whose rstd is beyond double)."""
     cdef void *dy_data = cnp.PyArray_DATA(dy)
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *dx_data = cnp.PyArray_DATA(dx)
@@ -691,13 +770,13 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
         with nogil:
             status = _bn_backward(<const float*>dy_data, <const float*>x_data, <float*>dx_data,
                                   <float*>dgamma_data, <float*>dbeta_data, n_outer, n_features,
-                                  n_inner, gamma_data, mean_data, rstd_data, training,
+                                  n_inner, gamma_data, mean_data, rstd_data, training, eps,
                                   num_threads)
     else:
         with nogil:
             status = _bn_backward(<const double*>dy_data, <const double*>x_data,
                                   <double*>dx_data, <double*>dgamma_data, <double*>dbeta_data,
                                   n_outer, n_features, n_inner, gamma_data, mean_data,
-                                  rstd_data, training, num_threads)
+                                  rstd_data, training, eps, num_threads)
     if status != 0:
         raise MemoryError("batch_norm_backward: cannot allocate the per-feature scratch")

@@ -45,7 +45,7 @@ from collections import namedtuple
 import numpy as np
 
 import fastln
-from fastln._batch_norm import check_momentum, update_running
+from fastln._batch_norm import check_momentum, update_running, update_running_var
 from fastln._validation import as_array, check_eps, resolve_num_threads
 
 __all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
@@ -531,7 +531,7 @@ class BatchNorm(_Layer):
                                                  **common)
             batch_var *= values_per_feature / (values_per_feature - 1)
             update_running(self.running_mean, momentum, batch_mean)
-            update_running(self.running_var, momentum, batch_var)
+            update_running_var(self.running_var, momentum, batch_var)
         self.num_batches_tracked[...] = count
         return y, cache
 

@@ -334,7 +334,8 @@ def _batch_statistics(column, eps):
         return np.zeros_like(column), column[0], 0.0, std_inv
     mu = np.mean(column)                        # batch mean
     var = np.mean((column - mu) ** 2)           # biased batch variance (divide by m)
-    std_inv = 1 / math.sqrt(var + eps)
+    std_inv = 1 / np.sqrt(var + eps)            # (float64: inf, not ZeroDivisionError, when
+                                                #  var + eps underflows to 0)
     return (column - mu) * std_inv, mu, var, std_inv
 
 
