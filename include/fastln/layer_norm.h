@@ -145,8 +145,13 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f32(
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 16 <= n_cols; i += 16) {
-        __builtin_prefetch(dy + n_cols + i, 0, 3);
-        __builtin_prefetch(x + n_cols + i, 0, 3);
+        if (streaming) {
+            /* The next row, for the next first pass: it pays when rows come from memory (the
+             * streaming sizes: 7-14% there); below, where they come from cache, it cost 10-20%
+             * (measured at 512x768 and 4096x768). */
+            __builtin_prefetch(dy + n_cols + i, 0, 3);
+            __builtin_prefetch(x + n_cols + i, 0, 3);
+        }
         fastln_f16 dy16, x16, scale = {0}, dgamma16, dbeta16;
         memcpy(&dy16, dy + i, sizeof dy16);
         memcpy(&x16, x + i, sizeof x16);

@@ -241,8 +241,10 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 8 <= n_cols; i += 8) {
-        __builtin_prefetch(dy + n_cols + i, 0, 3);
-        __builtin_prefetch(x + n_cols + i, 0, 3);
+        if (streaming) { /* see fastln_ln_backward_write_row_f32 */
+            __builtin_prefetch(dy + n_cols + i, 0, 3);
+            __builtin_prefetch(x + n_cols + i, 0, 3);
+        }
         const fastln_d8 dx8 = FASTLN_NAME(fastln_ln_backward_dx8)(
             dy + i, x + i, gamma ? gamma + i : NULL, mean, mean_correction, rstd, n, total_dxhat,
             total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
