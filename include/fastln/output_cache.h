@@ -5,7 +5,7 @@
  * on free, so each call pays that again. These functions are the allocator behind a NumPy
  * data-memory handler (fastln/_output_cache.pyx): every block is its own anonymous mapping,
  * and a freed block goes into a small cache instead of back to the system; a later request of
- * (nearly) the same size gets it back, already faulted in.
+ * the same size or smaller gets it back (cut down to size), already faulted in.
  *
  * The signatures are NumPy's PyDataMemAllocator's, ctx being the fastln_output_cache. There
  * is no Python here: NumPy's wrappers around the handler do the tracemalloc bookkeeping (a
@@ -96,9 +96,9 @@ static inline size_t fastln_block_bytes(const fastln_output_cache *cache, size_t
     return page + (size + page - 1) / page * page;
 }
 
-/* A cached block fits a request of block_bytes when it wastes at most an eighth of them:
- * enough slack for shapes that differ by a few rows, not enough to hold a large block for a
- * much smaller request. */
+/* A cached block fits a request of block_bytes as it is when it wastes at most an eighth of
+ * them: slack for shapes that differ by a few rows. A larger block is cut down to size first
+ * (fastln_output_cache_get), so that a small output never holds a large block. */
 static inline int fastln_block_fits(size_t cached_bytes, size_t block_bytes)
 {
     return cached_bytes >= block_bytes && cached_bytes - block_bytes <= block_bytes / 8;
@@ -128,7 +128,7 @@ static inline int fastln_output_cache_evict(fastln_output_cache *cache, int max_
     return n_evicted;
 }
 
-/* The smallest cached block that fits block_bytes, taken out of the cache; NULL if none.
+/* The smallest cached block of at least block_bytes, taken out of the cache; NULL if none.
  * Call with the lock held. */
 static inline fastln_block_header *fastln_output_cache_take(fastln_output_cache *cache,
                                                             size_t block_bytes)
@@ -137,8 +137,7 @@ static inline fastln_block_header *fastln_output_cache_take(fastln_output_cache 
     int best = -1;
     for (int i = 0; i < stats->n_blocks; i++) {
         const size_t mapped = cache->blocks[i]->mapped_bytes;
-        if (fastln_block_fits(mapped, block_bytes)
-                && (best < 0 || mapped < cache->blocks[best]->mapped_bytes)) {
+        if (mapped >= block_bytes && (best < 0 || mapped < cache->blocks[best]->mapped_bytes)) {
             best = i;
         }
     }
@@ -164,8 +163,18 @@ static inline fastln_block_header *fastln_map_block(size_t block_bytes, int advi
     return block;
 }
 
-/* A block for size bytes: a cached one when one fits, else a fresh mapping (its pages are
- * zero; *is_fresh says which). NULL when out of memory. */
+/* Give the pages of a block beyond new_bytes (a multiple of the page size) back. */
+static inline void fastln_block_shrink(fastln_block_header *block, size_t new_bytes)
+{
+    if (new_bytes < block->mapped_bytes) {
+        munmap((char *)block + new_bytes, block->mapped_bytes - new_bytes);
+        block->mapped_bytes = new_bytes;
+    }
+}
+
+/* A block for size bytes: a cached one when one is large enough (cut down to size when it is
+ * more than 1/8 too large: its first pages are paged in all the same), else a fresh mapping
+ * (its pages are zero; *is_fresh says which). NULL when out of memory. */
 static inline void *fastln_output_cache_get(fastln_output_cache *cache, size_t size,
                                             int *is_fresh)
 {
@@ -177,6 +186,9 @@ static inline void *fastln_output_cache_get(fastln_output_cache *cache, size_t s
     pthread_mutex_unlock(&cache->lock);
     *is_fresh = block == NULL;
     const int advise_hugepages = cache->advise_hugepages;
+    if (block != NULL && !fastln_block_fits(block->mapped_bytes, block_bytes)) {
+        fastln_block_shrink(block, block_bytes);
+    }
     if (block == NULL) {
         block = fastln_map_block(block_bytes, advise_hugepages);
     }
@@ -243,12 +255,8 @@ static inline void *fastln_output_cache_realloc(void *ctx, void *data, size_t ne
     fastln_block_header *block = fastln_block_of(cache, data);
     const size_t block_bytes = fastln_block_bytes(cache, new_size);
     if (block_bytes == 0) return NULL;
-    if (block_bytes <= block->mapped_bytes) {
-        /* Shrinking: give the tail pages back and keep the data where it is. */
-        if (block_bytes < block->mapped_bytes) {
-            munmap((char *)block + block_bytes, block->mapped_bytes - block_bytes);
-            block->mapped_bytes = block_bytes;
-        }
+    if (block_bytes <= block->mapped_bytes) { /* shrinking: the data stays where it is */
+        fastln_block_shrink(block, block_bytes);
         block->requested_bytes = new_size;
         return data;
     }

@@ -1,9 +1,9 @@
 """fastln's output cache: ``set_output_cache`` and ``output_cache_info``.
 
 Large outputs (32 MiB and up) of fastln's functions come from memory that fastln recycles:
-when such an array is freed, its block is kept in a small cache, and the next output of about
-the same size reuses it instead of asking the system for fresh pages, whose first-touch faults
-cost more than the normalization itself (see fastln/_output_cache.pyx; smaller blocks glibc's
+when such an array is freed, its block is kept in a small cache, and the next output of the
+same size or smaller reuses it instead of asking the system for fresh pages, whose first-touch
+faults cost more than the normalization itself (see fastln/_output_cache.pyx; smaller blocks glibc's
 heap already recycles). The cache holds at most 8 blocks and ``max_bytes`` bytes, by default
 ``min(512 MiB, RAM / 16)``: two outputs of the largest standard shape (32768 x 1024 float64,
 256 MiB), so that ``y = layer_norm(x)`` in a loop and a forward/backward pair reuse their
@@ -64,9 +64,9 @@ def set_output_cache(max_bytes: int | None) -> None:
 
     Outputs of 32 MiB and more that fastln allocates (``out=None``) come from blocks that are
     kept when the array is freed, at most 8 blocks and ``max_bytes`` bytes in all; a later
-    output of about the same size (the block at most 1/8 larger) reuses one, already paged
-    in, which makes such a call about as fast as with ``out=`` (two to three times faster than
-    with fresh pages). Lowering the cap frees the blocks over it at once; ``0`` frees every
+    output of the same size or smaller reuses one, already paged in (a block more than 1/8 too
+    large is cut to size first), which makes such a call about as fast as with ``out=`` (two
+    to three times faster than with fresh pages). Lowering the cap frees the blocks over it at once; ``0`` frees every
     cached block and switches caching off (large outputs are then plain ``np.empty`` memory).
     Arrays that exist keep their memory either way. The setting is process-wide.
 

@@ -5,8 +5,8 @@ A fresh output of tens of MiB is dominated by first-touch page faults (the kerne
 zeroes every page), and glibc hands every block over 32 MiB back to the system when it is freed.
 So fastln allocates its large outputs (FASTLN_OUTPUT_CACHE_MIN_BYTES, 32 MiB, and up) through
 a NumPy data-memory handler (NumPy >= 1.22, NEP 49) whose free keeps the block in a small cache
-(include/fastln/output_cache.h); the next output of about the same size reuses it, already
-faulted in. Each array remembers its handler, so its memory comes back here whenever and on
+(include/fastln/output_cache.h); the next output of the same size or smaller reuses it,
+already faulted in. Each array remembers its handler, so its memory comes back here whenever and on
 whichever thread it is freed, also after the cache was resized or switched off.
 
 The handler is installed only around the allocation of an output (PyDataMem_SetHandler sets it
