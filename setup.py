@@ -93,6 +93,7 @@ def extensions():
         Extension("fastln._bandwidth", ["src/fastln/_bandwidth.pyx"], **common),
         Extension("fastln._family_kernels", ["src/fastln/_family_kernels.pyx"], **common),
         Extension("fastln._half_kernels", ["src/fastln/_half_kernels.pyx"], **common),
+        Extension("fastln._output_cache", ["src/fastln/_output_cache.pyx"], **common),
     ]
     return cythonize(
         modules,

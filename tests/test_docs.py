@@ -42,6 +42,7 @@ DOCTEST_MODULES = [
     ("fastln._add_norm", []),
     ("fastln._batch_norm", []),
     ("fastln._threads", []),
+    ("fastln._memory", []),
     ("fastln.torch", ["torch"]),
     ("fastln.dask", ["dask"]),
 ]

@@ -27,6 +27,7 @@ from fastln._layer_norm import (
     layer_norm_backward,
     layer_norm_forward,
 )
+from fastln._memory import output_cache_info, set_output_cache
 from fastln._rms_norm import (
     RMSNormCache,
     rms_norm,
@@ -54,9 +55,11 @@ __all__ = [
     "layer_norm_backward",
     "layer_norm_forward",
     "num_threads",
+    "output_cache_info",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
     "set_num_threads",
+    "set_output_cache",
     "show_config",
 ]

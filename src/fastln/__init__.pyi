@@ -27,10 +27,12 @@ __all__ = [
     "layer_norm_backward",
     "layer_norm_forward",
     "num_threads",
+    "output_cache_info",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
     "set_num_threads",
+    "set_output_cache",
     "show_config",
 ]
 
@@ -241,4 +243,6 @@ def batch_norm_backward(dy: npt.ArrayLike, cache: BatchNormCache, gamma: _Param 
 def get_num_threads() -> int: ...
 def set_num_threads(n: int) -> None: ...
 def num_threads(n: int) -> AbstractContextManager[int]: ...
+def set_output_cache(max_bytes: int | None) -> None: ...
+def output_cache_info() -> dict[str, int]: ...
 def show_config(file: IO[str] | None = None) -> None: ...

@@ -8,6 +8,7 @@ import numpy as np
 
 from fastln import _family_kernels, _half_kernels
 from fastln._layer_norm import LayerNormCache
+from fastln._output_cache import empty_output
 from fastln._rms_norm import RMSNormCache
 from fastln._validation import (
     as_array,
@@ -50,8 +51,8 @@ def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_t
     bias = check_param(bias, "bias", normalized_shape, stats_dtype)
     eps = check_eps(eps)
     num_threads = resolve_num_threads(num_threads)
-    y = np.empty(x.shape, dtype) if out is None else check_out(out, x.shape, dtype)
-    s = (np.empty(x.shape, dtype) if sum_out is None
+    y = empty_output(x.shape, dtype) if out is None else check_out(out, x.shape, dtype)
+    s = (empty_output(x.shape, dtype) if sum_out is None
          else check_out(sum_out, x.shape, dtype, name="sum_out"))
     if np.may_share_memory(y, s):
         raise ValueError(f"out and sum_out overlap: {name} writes both y and s, so they must be "

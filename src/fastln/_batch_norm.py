@@ -12,6 +12,7 @@ import numpy as np
 
 from fastln import _family_kernels
 from fastln._layer_norm import check_cache
+from fastln._output_cache import empty_output
 from fastln._validation import (
     _describe_dtype,
     as_array,
@@ -195,7 +196,7 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
                                           momentum, eps, axis, num_threads)
     n_outer, n_features, n_inner = layout
     if out is None:
-        y = np.empty(x.shape, dtype)
+        y = empty_output(x.shape, dtype)
     else:
         y = check_out(out, x.shape, dtype)
         if keep_cache and np.may_share_memory(y, x):
@@ -379,7 +380,7 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     gamma = check_feature_param(gamma, "gamma", n_features, dtype)
     num_threads = resolve_num_threads(num_threads)
 
-    dx = np.empty(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
+    dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
     dgamma = np.zeros(n_features, dtype)
     dbeta = np.zeros(n_features, dtype)
     if dx.size == 0:

@@ -26,6 +26,7 @@ from fastln._openmp cimport (
     fastln_thread_cap,
     fastln_watch_for_fork,
 )
+from fastln._output_cache cimport new_output
 
 cnp.import_array()
 fastln_watch_for_fork()  # forked children run serially: see fastln/openmp_compat.h
@@ -127,7 +128,8 @@ def layer_norm_forward_fast(object x, object gamma, object beta, object eps, obj
                                   or cnp.PyArray_DATA(<cnp.ndarray>out) != cnp.PyArray_DATA(x_array)):
             return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else cnp.PyArray_EMPTY(ndim, cnp.PyArray_DIMS(x_array), typenum, 0)
+    y = out if out is not None else new_output(ndim, cnp.PyArray_DIMS(x_array), typenum,
+                                               cnp.PyArray_NBYTES(x_array))
     mean = rstd = None
     if keep_cache:
         mean = cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x_array), typenum, 0)
@@ -321,7 +323,8 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
             if _overlaps(out, source) and (cnp.PyArray_DATA(<cnp.ndarray>out)
                                            != cnp.PyArray_DATA(<cnp.ndarray>source)):
                 return None
-    dx = out if out is not None else cnp.PyArray_EMPTY(ndim, cnp.PyArray_DIMS(x_array), typenum, 0)
+    dx = out if out is not None else new_output(ndim, cnp.PyArray_DIMS(x_array), typenum,
+                                                cnp.PyArray_NBYTES(x_array))
     dgamma = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
     dbeta = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
     _run_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,

@@ -3,6 +3,7 @@ import numpy as np
 
 from fastln import _family_kernels, _half_kernels
 from fastln._layer_norm import RowNormCache, check_cache
+from fastln._output_cache import empty_output
 from fastln._validation import (
     as_array,
     as_kernel_array,
@@ -40,7 +41,7 @@ def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
 
     x_rows = as_kernel_array(x, dtype).reshape(n_rows, n_cols)
     if out is None:
-        y = np.empty(x.shape, dtype)
+        y = empty_output(x.shape, dtype)
     else:
         y = check_out(out, x.shape, dtype)
         if keep_cache and np.may_share_memory(y, x):
@@ -175,7 +176,7 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
     x_rows = as_kernel_array(cache.x, dtype).reshape(n_rows, n_cols)
-    dx = np.empty(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
+    dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
     dx_rows = dx.reshape(n_rows, n_cols)
     dy_rows = protect_from_output(dy_rows, dx_rows)
     x_rows = protect_from_output(x_rows, dx_rows)
