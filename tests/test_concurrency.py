@@ -302,8 +302,11 @@ FORK_SCRIPT = textwrap.dedent("""
         dx = fastln.layer_norm_backward(dy, cache, num_threads=num_threads)
         b = fastln.batch_norm(x, training=True, num_threads=num_threads)
         r = fastln.add_rms_norm(x, dy, num_threads=num_threads)
+        # the family's fast paths read their own module's thread cap
+        y_rms, cache_rms = fastln.rms_norm_forward(x, num_threads=num_threads)
+        dx_rms = fastln.rms_norm_backward(dy, cache_rms, num_threads=num_threads)
         digest = hashlib.sha256()
-        for a in [y, *dx, b, *r]:
+        for a in [y, *dx, b, *r, y_rms, *dx_rms]:
             digest.update(a.tobytes())
         return digest.hexdigest()
 

@@ -84,12 +84,15 @@ def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_t
     if not keep_cache:
         return y, s
     batch_shape = x.shape[:axis]
+    return y, s, _cache_of_s(rms, s, None if rms else mean.reshape(batch_shape),
+                             rstd.reshape(batch_shape), axis, eps, dtype)
+
+
+def _cache_of_s(rms, s, mean, rstd, axis, eps, dtype):
+    """The plain RMSNorm / LayerNorm cache of the sum s (mean: None for RMSNorm)."""
     if rms:
-        cache = RMSNormCache(s, rstd.reshape(batch_shape), axis, eps, dtype)
-    else:
-        cache = LayerNormCache(s, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps,
-                               dtype)
-    return y, s, cache
+        return RMSNormCache(s, rstd, axis, eps, dtype)
+    return LayerNormCache(s, mean, rstd, axis, eps, dtype)
 
 
 _SHARED_DOC = """
@@ -130,24 +133,42 @@ _GRADIENT_DOC = """
 
 def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                    sum_out=None, num_threads=None):
+    result = _family_kernels.add_norm_forward_fast(False, x, residual, gamma, beta, eps, bias,
+                                                   axis, out, sum_out, num_threads, False)
+    if result is not None:
+        return result
     return _forward(False, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
                     keep_cache=False)
 
 
 def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
                            out=None, sum_out=None, num_threads=None):
+    result = _family_kernels.add_norm_forward_fast(False, x, residual, gamma, beta, eps, bias,
+                                                   axis, out, sum_out, num_threads, True)
+    if result is not None:
+        y, s, mean, rstd = result
+        return y, s, _cache_of_s(False, s, mean, rstd, x.ndim - 1, eps, x.dtype)
     return _forward(False, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
                     keep_cache=True)
 
 
 def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                  sum_out=None, num_threads=None):
+    result = _family_kernels.add_norm_forward_fast(True, x, residual, gamma, None, eps, bias,
+                                                   axis, out, sum_out, num_threads, False)
+    if result is not None:
+        return result
     return _forward(True, x, residual, gamma, None, eps, bias, axis, out, sum_out, num_threads,
                     keep_cache=False)
 
 
 def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                          sum_out=None, num_threads=None):
+    result = _family_kernels.add_norm_forward_fast(True, x, residual, gamma, None, eps, bias,
+                                                   axis, out, sum_out, num_threads, True)
+    if result is not None:
+        y, s, mean, rstd = result
+        return y, s, _cache_of_s(True, s, mean, rstd, x.ndim - 1, eps, x.dtype)
     return _forward(True, x, residual, gamma, None, eps, bias, axis, out, sum_out, num_threads,
                     keep_cache=True)
 

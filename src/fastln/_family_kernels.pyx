@@ -14,7 +14,27 @@ from libc.stdint cimport int64_t
 
 cimport numpy as cnp
 
+from fastln._fastpath cimport (
+    _clobbers,
+    _fast_num_threads,
+    _float_typenum,
+    _is_fast_eps,
+    _is_fast_out,
+    _is_kernel_array,
+    _is_last_axis,
+    _is_cache_dtype,
+    _is_param,
+    _is_row_stats,
+    _overlaps,
+    _same_shape,
+)
+from fastln._openmp cimport fastln_watch_for_fork
+from fastln._output_cache cimport new_output
+
 cnp.import_array()
+# The forked-child flag of fastln/openmp_compat.h is static, one per extension module: the fast
+# paths here read this module's thread cap, so this module must watch for fork too.
+fastln_watch_for_fork()
 
 ctypedef fused floating:
     float
@@ -200,6 +220,11 @@ cdef inline bint _is_float32(cnp.ndarray array):
     return cnp.PyArray_TYPE(array) == cnp.NPY_FLOAT32
 
 
+cdef inline bint _worth_threads(int num_threads, Py_ssize_t n_tasks,
+                                Py_ssize_t n_elements) noexcept nogil:
+    return num_threads > 1 and n_tasks > 1 and n_elements >= MIN_ELEMENTS_FOR_THREADS
+
+
 cdef inline Py_ssize_t _row_blocks(Py_ssize_t n_rows) noexcept nogil:
     return min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
 
@@ -208,33 +233,43 @@ cdef inline Py_ssize_t _row_blocks(Py_ssize_t n_rows) noexcept nogil:
 # RMSNorm
 # ---------------------------------------------------------------------------------------------
 
+cdef inline void _rms_forward_row(const floating *x, const floating *gamma, floating *y,
+                                  floating *rstd, Py_ssize_t row, Py_ssize_t n_cols,
+                                  double eps) noexcept nogil:
+    cdef double row_rstd
+    if floating is float:
+        fastln_rms_norm_forward_row_f32(x + row * n_cols, gamma, y + row * n_cols, n_cols, eps,
+                                        &row_rstd)
+    else:
+        fastln_rms_norm_forward_row_f64(x + row * n_cols, gamma, y + row * n_cols, n_cols, eps,
+                                        &row_rstd)
+    if rstd != NULL:
+        rstd[row] = <floating>row_rstd
+
+
 cdef void _rms_forward_rows(const floating *x, const floating *gamma, floating *y,
                             floating *rstd, Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
                             int num_threads) noexcept nogil:
     cdef Py_ssize_t row
-    cdef double row_rstd
-    cdef bint use_threads = (num_threads > 1 and n_rows > 1
-                             and n_rows * n_cols >= MIN_ELEMENTS_FOR_THREADS)
-    for row in prange(n_rows, schedule='static', num_threads=num_threads,
-                      use_threads_if=use_threads):
-        # Assigned in the loop so that Cython makes it thread-private: a variable only written
-        # through a pointer would be shared by all threads (and the rows would race).
-        row_rstd = 0.0
-        if floating is float:
-            fastln_rms_norm_forward_row_f32(x + row * n_cols, gamma, y + row * n_cols, n_cols,
-                                            eps, &row_rstd)
-        else:
-            fastln_rms_norm_forward_row_f64(x + row * n_cols, gamma, y + row * n_cols, n_cols,
-                                            eps, &row_rstd)
-        if rstd != NULL:
-            rstd[row] = <floating>row_rstd
+    # Small calls stay out of OpenMP entirely: even a parallel region that use_threads_if keeps
+    # on one thread costs ~0.5 us, as much as a 768-wide row.
+    if _worth_threads(num_threads, n_rows, n_rows * n_cols):
+        for row in prange(n_rows, schedule='static', num_threads=num_threads):
+            _rms_forward_row(x, gamma, y, rstd, row, n_cols, eps)
+    else:
+        for row in range(n_rows):
+            _rms_forward_row(x, gamma, y, rstd, row, n_cols, eps)
 
 
 def rms_norm_forward(cnp.ndarray x, object gamma, cnp.ndarray y, object rstd, double eps,
                      int num_threads):
     """RMSNorm over the rows of the 2-D array x into y; rstd (1-D, or None) gets the stats."""
-    cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
+    _run_rms_forward(x, gamma, y, rstd, cnp.PyArray_DIM(x, 0), cnp.PyArray_DIM(x, 1), eps,
+                     num_threads)
+
+
+cdef void _run_rms_forward(cnp.ndarray x, object gamma, cnp.ndarray y, object rstd,
+                           Py_ssize_t n_rows, Py_ssize_t n_cols, double eps, int num_threads):
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *y_data = cnp.PyArray_DATA(y)
     cdef void *gamma_data = _data(gamma)
@@ -250,6 +285,24 @@ def rms_norm_forward(cnp.ndarray x, object gamma, cnp.ndarray y, object rstd, do
                               num_threads)
 
 
+cdef inline void _rms_backward_block(const floating *dy, const floating *x,
+                                     const floating *gamma, const floating *rstd, floating *dx,
+                                     double *block_dgamma, Py_ssize_t row_start,
+                                     Py_ssize_t row_end, Py_ssize_t n_cols,
+                                     double eps) noexcept nogil:
+    """Rows [row_start, row_end): dx, and their dgamma added to the block's partial sums."""
+    cdef Py_ssize_t row
+    for row in range(row_start, row_end):
+        if floating is float:
+            fastln_rms_norm_backward_row_f32(dy + row * n_cols, x + row * n_cols, gamma,
+                                             rstd[row], eps, dx + row * n_cols, n_cols,
+                                             block_dgamma)
+        else:
+            fastln_rms_norm_backward_row_f64(dy + row * n_cols, x + row * n_cols, gamma,
+                                             rstd[row], eps, dx + row * n_cols, n_cols,
+                                             block_dgamma)
+
+
 cdef int _rms_backward_rows(const floating *dy, const floating *x, const floating *gamma,
                             const floating *rstd, floating *dx, floating *dgamma,
                             Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
@@ -257,23 +310,20 @@ cdef int _rms_backward_rows(const floating *dy, const floating *x, const floatin
     """Returns -1 when the scratch for the dgamma partial sums cannot be allocated."""
     cdef Py_ssize_t n_blocks = _row_blocks(n_rows)
     cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
-    cdef Py_ssize_t block, row
-    cdef bint use_threads = (num_threads > 1 and n_blocks > 1
-                             and n_rows * n_cols >= MIN_ELEMENTS_FOR_THREADS)
+    cdef Py_ssize_t block
     cdef double *partials = <double*>calloc(n_blocks * n_cols, sizeof(double))
     if partials == NULL:
         return -1
-    for block in prange(n_blocks, schedule='static', num_threads=num_threads,
-                        use_threads_if=use_threads):
-        for row in range(block * rows_per_block, min((block + 1) * rows_per_block, n_rows)):
-            if floating is float:
-                fastln_rms_norm_backward_row_f32(dy + row * n_cols, x + row * n_cols, gamma,
-                                                 rstd[row], eps, dx + row * n_cols, n_cols,
-                                                 partials + block * n_cols)
-            else:
-                fastln_rms_norm_backward_row_f64(dy + row * n_cols, x + row * n_cols, gamma,
-                                                 rstd[row], eps, dx + row * n_cols, n_cols,
-                                                 partials + block * n_cols)
+    if _worth_threads(num_threads, n_blocks, n_rows * n_cols):
+        for block in prange(n_blocks, schedule='static', num_threads=num_threads):
+            _rms_backward_block(dy, x, gamma, rstd, dx, partials + block * n_cols,
+                                block * rows_per_block,
+                                min((block + 1) * rows_per_block, n_rows), n_cols, eps)
+    else:  # the same blocks in the same order: the sums do not depend on the branch
+        for block in range(n_blocks):
+            _rms_backward_block(dy, x, gamma, rstd, dx, partials + block * n_cols,
+                                block * rows_per_block,
+                                min((block + 1) * rows_per_block, n_rows), n_cols, eps)
     if floating is float:
         fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
     else:
@@ -286,8 +336,13 @@ def rms_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray r
                       cnp.ndarray dx, cnp.ndarray dgamma, double eps, int num_threads):
     """RMSNorm backward over the rows of the 2-D arrays dy and x into dx and dgamma; eps is the
     forward's (rows whose cached rstd is Inf are done from x again)."""
-    cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
+    _run_rms_backward(dy, x, gamma, rstd, dx, dgamma, cnp.PyArray_DIM(x, 0),
+                      cnp.PyArray_DIM(x, 1), eps, num_threads)
+
+
+cdef int _run_rms_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray rstd,
+                           cnp.ndarray dx, cnp.ndarray dgamma, Py_ssize_t n_rows,
+                           Py_ssize_t n_cols, double eps, int num_threads) except -1:
     cdef void *dy_data = cnp.PyArray_DATA(dy)
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *gamma_data = _data(gamma)
@@ -309,47 +364,55 @@ def rms_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray r
                 n_rows, n_cols, eps, num_threads)
     if status != 0:
         raise MemoryError("rms_norm_backward: cannot allocate the dgamma partial sums")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
 # Fused residual add + LayerNorm / RMSNorm
 # ---------------------------------------------------------------------------------------------
 
+cdef inline void _add_norm_row(const floating *x, const floating *residual,
+                               const floating *bias, const floating *gamma,
+                               const floating *beta, floating *s, floating *y, floating *mean,
+                               floating *rstd, bint rms, Py_ssize_t row, Py_ssize_t n_cols,
+                               double eps) noexcept nogil:
+    cdef Py_ssize_t offset = row * n_cols
+    cdef double row_mean = 0.0, row_rstd
+    if rms:
+        if floating is float:
+            fastln_add_rms_norm_forward_row_f32(x + offset, residual + offset, bias, gamma,
+                                                s + offset, y + offset, n_cols, eps, &row_rstd)
+        else:
+            fastln_add_rms_norm_forward_row_f64(x + offset, residual + offset, bias, gamma,
+                                                s + offset, y + offset, n_cols, eps, &row_rstd)
+    else:
+        if floating is float:
+            fastln_add_layer_norm_forward_row_f32(x + offset, residual + offset, bias, gamma,
+                                                  beta, s + offset, y + offset, n_cols, eps,
+                                                  &row_mean, &row_rstd)
+        else:
+            fastln_add_layer_norm_forward_row_f64(x + offset, residual + offset, bias, gamma,
+                                                  beta, s + offset, y + offset, n_cols, eps,
+                                                  &row_mean, &row_rstd)
+    if mean != NULL:
+        mean[row] = <floating>row_mean
+    if rstd != NULL:
+        rstd[row] = <floating>row_rstd
+
+
 cdef void _add_norm_rows(const floating *x, const floating *residual, const floating *bias,
                          const floating *gamma, const floating *beta, floating *s, floating *y,
                          floating *mean, floating *rstd, bint rms, Py_ssize_t n_rows,
                          Py_ssize_t n_cols, double eps, int num_threads) noexcept nogil:
-    cdef Py_ssize_t row, offset
-    cdef double row_mean, row_rstd
-    cdef bint use_threads = (num_threads > 1 and n_rows > 1
-                             and n_rows * n_cols >= MIN_ELEMENTS_FOR_THREADS)
-    for row in prange(n_rows, schedule='static', num_threads=num_threads,
-                      use_threads_if=use_threads):
-        offset = row * n_cols
-        row_mean = 0.0  # assigned here so that Cython makes both thread-private (see above)
-        row_rstd = 0.0
-        if rms:
-            if floating is float:
-                fastln_add_rms_norm_forward_row_f32(x + offset, residual + offset, bias, gamma,
-                                                    s + offset, y + offset, n_cols, eps,
-                                                    &row_rstd)
-            else:
-                fastln_add_rms_norm_forward_row_f64(x + offset, residual + offset, bias, gamma,
-                                                    s + offset, y + offset, n_cols, eps,
-                                                    &row_rstd)
-        else:
-            if floating is float:
-                fastln_add_layer_norm_forward_row_f32(x + offset, residual + offset, bias, gamma,
-                                                      beta, s + offset, y + offset, n_cols, eps,
-                                                      &row_mean, &row_rstd)
-            else:
-                fastln_add_layer_norm_forward_row_f64(x + offset, residual + offset, bias, gamma,
-                                                      beta, s + offset, y + offset, n_cols, eps,
-                                                      &row_mean, &row_rstd)
-        if mean != NULL:
-            mean[row] = <floating>row_mean
-        if rstd != NULL:
-            rstd[row] = <floating>row_rstd
+    cdef Py_ssize_t row
+    if _worth_threads(num_threads, n_rows, n_rows * n_cols):  # as in _rms_forward_rows
+        for row in prange(n_rows, schedule='static', num_threads=num_threads):
+            _add_norm_row(x, residual, bias, gamma, beta, s, y, mean, rstd, rms, row, n_cols,
+                          eps)
+    else:
+        for row in range(n_rows):
+            _add_norm_row(x, residual, bias, gamma, beta, s, y, mean, rstd, rms, row, n_cols,
+                          eps)
 
 
 def add_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, object gamma,
@@ -357,8 +420,14 @@ def add_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, object ga
                      bint rms, double eps, int num_threads):
     """s = x + residual (+ bias) and y = LayerNorm(s) (rms=False) or RMSNorm(s) (rms=True) over
     the rows of the 2-D arrays; mean/rstd (1-D, or None) get the statistics (mean: LayerNorm)."""
-    cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 0)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x, 1)
+    _run_add_norm(x, residual, bias, gamma, beta, s, y, mean, rstd, rms, cnp.PyArray_DIM(x, 0),
+                  cnp.PyArray_DIM(x, 1), eps, num_threads)
+
+
+cdef void _run_add_norm(cnp.ndarray x, cnp.ndarray residual, object bias, object gamma,
+                        object beta, cnp.ndarray s, cnp.ndarray y, object mean, object rstd,
+                        bint rms, Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
+                        int num_threads):
     cdef void *x_data = cnp.PyArray_DATA(x)
     cdef void *residual_data = cnp.PyArray_DATA(residual)
     cdef void *bias_data = _data(bias)
@@ -382,6 +451,131 @@ def add_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, object ga
                            <const double*>beta_data, <double*>s_data, <double*>y_data,
                            <double*>mean_data, <double*>rstd_data, rms, n_rows, n_cols, eps,
                            num_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast paths, as in fastln._kernels (layer_norm_forward_fast): the common call - C-contiguous
+# native float32/float64 arrays, axis=-1, nothing unusual - is recognised with the C-level
+# checks of fastln/_fastpath.pxd and goes straight to the row loops above, because for one
+# 768-wide row the general Python checks cost ten times the arithmetic. Anything else
+# (including every invalid argument) returns None, and the caller takes the general path,
+# which does the full checking and raises the errors.
+# ---------------------------------------------------------------------------------------------
+
+
+cdef inline object _empty_like_x(cnp.ndarray x, int ndim, int typenum):
+    """An output of x's shape and dtype (from the output cache when it is large)."""
+    return new_output(ndim, cnp.PyArray_DIMS(x), typenum, cnp.PyArray_NBYTES(x))
+
+
+cdef inline object _empty_row_stats(cnp.ndarray x, int ndim, int typenum):
+    """A per-row statistic of x: shape x.shape[:-1]."""
+    return cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x), typenum, 0)
+
+
+def rms_norm_forward_fast(object x, object gamma, object eps, object axis, object out,
+                          object num_threads, bint keep_cache):
+    """y, or (y, rstd) with keep_cache; None when the call needs the general path."""
+    cdef int typenum = _float_typenum(x)
+    if typenum == 0:
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef int ndim = cnp.PyArray_NDIM(x_array)
+    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
+    cdef int threads = _fast_num_threads(num_threads)
+    if (n_cols == 0 or not _is_last_axis(axis, ndim) or threads == 0 or not _is_fast_eps(eps)
+            or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)):
+        return None
+    # out may be x itself (in place), except when the cache keeps x for the backward.
+    if _overlaps(out, gamma) or _clobbers(out, x) or (keep_cache and _overlaps(out, x)):
+        return None
+    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
+    y = out if out is not None else _empty_like_x(x_array, ndim, typenum)
+    rstd = _empty_row_stats(x_array, ndim, typenum) if keep_cache else None
+    _run_rms_forward(x_array, gamma, <cnp.ndarray>y, rstd, n_rows, n_cols, <double>eps, threads)
+    if keep_cache:
+        return y, rstd
+    return y
+
+
+def rms_norm_backward_fast(object dy, object x, object rstd, object axis, object dtype,
+                           object eps, object gamma, object out, object num_threads):
+    """(dx, dgamma) for a cache normalized over x's last axis; None for the general path.
+
+    x, rstd, axis, eps and dtype (its _dtype field) come from an RMSNormCache.
+    """
+    cdef int typenum = _float_typenum(x)
+    if typenum == 0:
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef int ndim = cnp.PyArray_NDIM(x_array)
+    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
+    cdef int threads = _fast_num_threads(num_threads)
+    # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
+    if (n_cols == 0 or type(axis) is not int or axis != ndim - 1 or threads == 0
+            or not _is_kernel_array(dy, typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
+            or not _is_cache_dtype(dtype, x_array) or not _is_fast_eps(eps)
+            or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)
+            or not _is_row_stats(rstd, typenum, x_array)):
+        return None
+    # dx may be dy or x itself (in place).
+    if (_overlaps(out, gamma) or _overlaps(out, rstd) or _clobbers(out, dy)
+            or _clobbers(out, x)):
+        return None
+    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
+    dx = out if out is not None else _empty_like_x(x_array, ndim, typenum)
+    dgamma = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
+    _run_rms_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>rstd, <cnp.ndarray>dx,
+                      <cnp.ndarray>dgamma, n_rows, n_cols, <double>eps, threads)
+    return dx, dgamma
+
+
+cdef inline bint _is_safe_add_output(object output, object x, object residual, object bias,
+                                     object gamma, object beta):
+    """An add-norm output (out or sum_out, or None) may sit exactly on x or residual (a row is
+    read completely before its s and y are written) but must not otherwise overlap an input."""
+    return not (_clobbers(output, x) or _clobbers(output, residual) or _overlaps(output, bias)
+                or _overlaps(output, gamma) or _overlaps(output, beta))
+
+
+def add_norm_forward_fast(bint rms, object x, object residual, object gamma, object beta,
+                          object eps, object bias, object axis, object out, object sum_out,
+                          object num_threads, bint keep_cache):
+    """(y, s), or (y, s, mean, rstd) with keep_cache (mean None for RMSNorm); None when the
+    call needs the general path. beta must be None for RMSNorm."""
+    cdef int typenum = _float_typenum(x)
+    if typenum == 0:
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef int ndim = cnp.PyArray_NDIM(x_array)
+    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
+    cdef int threads = _fast_num_threads(num_threads)
+    if (n_cols == 0 or not _is_last_axis(axis, ndim) or threads == 0 or not _is_fast_eps(eps)
+            or not _is_kernel_array(residual, typenum)
+            or not _same_shape(<cnp.ndarray>residual, x_array)
+            or not _is_param(gamma, typenum, n_cols) or not _is_param(beta, typenum, n_cols)
+            or not _is_param(bias, typenum, n_cols) or not _is_fast_out(out, x_array)
+            or not _is_fast_out(sum_out, x_array)):
+        return None
+    # out and sum_out may each be x or residual (sum_out=residual updates the residual stream
+    # in place), but not each other: the general path refuses that.
+    if (_overlaps(out, sum_out)
+            or not _is_safe_add_output(out, x, residual, bias, gamma, beta)
+            or not _is_safe_add_output(sum_out, x, residual, bias, gamma, beta)):
+        return None
+    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
+    y = out if out is not None else _empty_like_x(x_array, ndim, typenum)
+    s = sum_out if sum_out is not None else _empty_like_x(x_array, ndim, typenum)
+    mean = rstd = None
+    if keep_cache:
+        rstd = _empty_row_stats(x_array, ndim, typenum)
+        if not rms:
+            mean = _empty_row_stats(x_array, ndim, typenum)
+    _run_add_norm(x_array, <cnp.ndarray>residual, bias, gamma, beta, <cnp.ndarray>s,
+                  <cnp.ndarray>y, mean, rstd, rms, n_rows, n_cols, <double>eps, threads)
+    if keep_cache:
+        return y, s, mean, rstd
+    return y, s
 
 
 # ---------------------------------------------------------------------------------------------

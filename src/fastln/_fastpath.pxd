@@ -17,6 +17,23 @@ cdef inline bint _is_kernel_array(object value, int typenum):
             and cnp.PyArray_ISNOTSWAPPED(array))
 
 
+cdef inline int _float_typenum(object x):
+    """x's typenum when x is a float32/float64 kernel array of at least one dimension (an input
+    the fast paths take), else 0."""
+    if type(x) is not cnp.ndarray:
+        return 0
+    cdef int typenum = cnp.PyArray_TYPE(<cnp.ndarray>x)
+    if ((typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64)
+            or cnp.PyArray_NDIM(<cnp.ndarray>x) == 0 or not _is_kernel_array(x, typenum)):
+        return 0
+    return typenum
+
+
+cdef inline bint _is_last_axis(object axis, int ndim):
+    """A forward's axis argument naming the last axis, as a plain int (-1 or ndim - 1)."""
+    return type(axis) is int and (axis == -1 or axis == ndim - 1)
+
+
 cdef inline bint _is_param(object value, int typenum, Py_ssize_t n_cols):
     """None, or a 1-D kernel array of n_cols elements."""
     if value is None:
@@ -33,6 +50,16 @@ cdef inline bint _overlaps(object a, object b):
     cdef char *b_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>b)
     return (a_start < b_start + cnp.PyArray_NBYTES(<cnp.ndarray>b)
             and b_start < a_start + cnp.PyArray_NBYTES(<cnp.ndarray>a))
+
+
+cdef inline bint _clobbers(object out, object source):
+    """Whether writing out could change source before it is read. The kernels read element i of
+    a row before they write element i of its output, so out exactly on top of source (same
+    start, same size) is safe; any other overlap is not."""
+    if not _overlaps(out, source):
+        return False
+    return (cnp.PyArray_DATA(<cnp.ndarray>out) != cnp.PyArray_DATA(<cnp.ndarray>source)
+            or cnp.PyArray_NBYTES(<cnp.ndarray>out) != cnp.PyArray_NBYTES(<cnp.ndarray>source))
 
 
 cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
@@ -65,3 +92,28 @@ cdef inline bint _is_fast_out(object out, cnp.ndarray like):
         return True
     return (_is_kernel_array(out, cnp.PyArray_TYPE(like))
             and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out) and _same_shape(<cnp.ndarray>out, like))
+
+
+cdef inline bint _is_row_stats(object value, int typenum, cnp.ndarray x):
+    """A cache's per-row statistic (mean or rstd) for x normalized over its last axis: a kernel
+    array of typenum and shape x.shape[:-1], as the forward made it."""
+    if not _is_kernel_array(value, typenum):
+        return False
+    cdef cnp.ndarray stats = <cnp.ndarray>value
+    cdef int ndim = cnp.PyArray_NDIM(x) - 1
+    cdef int axis
+    if cnp.PyArray_NDIM(stats) != ndim:
+        return False
+    for axis in range(ndim):
+        if cnp.PyArray_DIM(stats, axis) != cnp.PyArray_DIM(x, axis):
+            return False
+    return True
+
+
+cdef inline bint _is_cache_dtype(object dtype, cnp.ndarray x):
+    """A cache's _dtype field for x: None (a cache built by hand; y's dtype is then the
+    statistics', which _is_row_stats checks) or x's own dtype, as fastln's forwards record it."""
+    if dtype is None:
+        return True
+    return (cnp.PyArray_DescrCheck(dtype)
+            and cnp.PyArray_EquivTypes(<cnp.dtype>dtype, <cnp.dtype>cnp.PyArray_DESCR(x)))

@@ -12,11 +12,16 @@ from libc.stdint cimport int64_t
 cimport numpy as cnp
 
 from fastln._fastpath cimport (
+    _clobbers,
     _fast_num_threads,
+    _float_typenum,
     _is_fast_eps,
     _is_fast_out,
     _is_kernel_array,
+    _is_last_axis,
+    _is_cache_dtype,
     _is_param,
+    _is_row_stats,
     _overlaps,
     _same_shape,
 )
@@ -103,30 +108,21 @@ cdef inline void* _data(object array):
 def layer_norm_forward_fast(object x, object gamma, object beta, object eps, object axis,
                             object out, object num_threads, bint keep_cache):
     """y, or (y, mean, rstd) with keep_cache; None when the call needs the general path."""
-    if type(x) is not cnp.ndarray:
+    cdef int typenum = _float_typenum(x)
+    if typenum == 0:
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int typenum = cnp.PyArray_TYPE(x_array)
-    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
-        return None
     cdef int ndim = cnp.PyArray_NDIM(x_array)
-    if ndim == 0 or not _is_kernel_array(x, typenum):
-        return None
-    if type(axis) is not int or (axis != -1 and axis != ndim - 1):
-        return None
     cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    if n_cols == 0:
-        return None
     cdef int threads = _fast_num_threads(num_threads)
-    if (threads == 0 or not _is_fast_eps(eps) or not _is_param(gamma, typenum, n_cols)
-            or not _is_param(beta, typenum, n_cols) or not _is_fast_out(out, x_array)):
+    if (n_cols == 0 or not _is_last_axis(axis, ndim) or threads == 0 or not _is_fast_eps(eps)
+            or not _is_param(gamma, typenum, n_cols) or not _is_param(beta, typenum, n_cols)
+            or not _is_fast_out(out, x_array)):
         return None
-    if out is not None:
-        if _overlaps(out, gamma) or _overlaps(out, beta):
-            return None
-        if _overlaps(out, x) and (keep_cache
-                                  or cnp.PyArray_DATA(<cnp.ndarray>out) != cnp.PyArray_DATA(x_array)):
-            return None
+    # out may be x itself (in place), except when the cache keeps x for the backward.
+    if (_overlaps(out, gamma) or _overlaps(out, beta) or _clobbers(out, x)
+            or (keep_cache and _overlaps(out, x))):
+        return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
     y = out if out is not None else new_output(ndim, cnp.PyArray_DIMS(x_array), typenum,
                                                cnp.PyArray_NBYTES(x_array))
@@ -288,41 +284,33 @@ def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
                   cnp.PyArray_DIM(x, 1), eps, num_threads)
 
 
-def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object eps,
-                             object gamma, object out, object num_threads):
+def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object axis,
+                             object dtype, object eps, object gamma, object out,
+                             object num_threads):
     """(dx, dgamma, dbeta) for a cache normalized over x's last axis; None for the general path.
 
-    x, mean, rstd and eps come from a LayerNormCache; dy must already be a kernel array of x's
-    dtype and shape.
+    x, mean, rstd, axis, eps and dtype (its _dtype field) come from a LayerNormCache.
     """
-    if type(x) is not cnp.ndarray or type(dy) is not cnp.ndarray:
+    cdef int typenum = _float_typenum(x)
+    if typenum == 0:
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int typenum = cnp.PyArray_TYPE(x_array)
-    if typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64:
-        return None
     cdef int ndim = cnp.PyArray_NDIM(x_array)
-    if (ndim == 0 or not _is_kernel_array(x, typenum) or not _is_kernel_array(dy, typenum)
-            or not _same_shape(<cnp.ndarray>dy, x_array)):
-        return None
     cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    if n_cols == 0:
+    cdef int threads = _fast_num_threads(num_threads)
+    # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
+    if (n_cols == 0 or type(axis) is not int or axis != ndim - 1 or threads == 0
+            or not _is_kernel_array(dy, typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
+            or not _is_cache_dtype(dtype, x_array) or not _is_fast_eps(eps)
+            or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)
+            or not _is_row_stats(mean, typenum, x_array)
+            or not _is_row_stats(rstd, typenum, x_array)):
+        return None
+    # dx may be dy or x itself (in place).
+    if (_overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd)
+            or _clobbers(out, dy) or _clobbers(out, x)):
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    cdef int threads = _fast_num_threads(num_threads)
-    if (threads == 0 or not _is_fast_eps(eps) or not _is_param(gamma, typenum, n_cols)
-            or not _is_fast_out(out, x_array)
-            or not _is_kernel_array(mean, typenum) or not _is_kernel_array(rstd, typenum)
-            or cnp.PyArray_SIZE(<cnp.ndarray>mean) != n_rows
-            or cnp.PyArray_SIZE(<cnp.ndarray>rstd) != n_rows):
-        return None
-    if out is not None:
-        if _overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd):
-            return None
-        for source in (dy, x):
-            if _overlaps(out, source) and (cnp.PyArray_DATA(<cnp.ndarray>out)
-                                           != cnp.PyArray_DATA(<cnp.ndarray>source)):
-                return None
     dx = out if out is not None else new_output(ndim, cnp.PyArray_DIMS(x_array), typenum,
                                                 cnp.PyArray_NBYTES(x_array))
     dgamma = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)

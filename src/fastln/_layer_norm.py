@@ -50,7 +50,9 @@ class RowNormCache:
         self.rstd = rstd
         self.axis = axis
         self.eps = eps
-        self._dtype = dtype  # y's dtype when it differs from the statistics' (half precision)
+        # y's dtype. fastln's forwards always pass it (fast and general path alike, so their
+        # caches hold the same fields); None, for a cache built by hand, means rstd's dtype.
+        self._dtype = dtype
 
     @property
     def shape(self):
@@ -182,7 +184,7 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
     result = _kernels.layer_norm_forward_fast(x, gamma, beta, eps, axis, out, num_threads, True)
     if result is not None:
         y, mean, rstd = result
-        return y, LayerNormCache(x, mean, rstd, x.ndim - 1, eps)
+        return y, LayerNormCache(x, mean, rstd, x.ndim - 1, eps, x.dtype)
     return _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache=True)
 
 
@@ -277,10 +279,12 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     >>> bool(np.abs(dx).max() < 1e-12), dbeta    # a constant dy does not move x_hat
     (True, array([2., 2., 2.]))
     """
-    if (type(cache) is LayerNormCache and type(cache.x) is np.ndarray
-            and cache.axis == cache.x.ndim - 1):
+    # cache._dtype, not the dtype property: on a forged cache (rstd None) that property would
+    # raise before the general path could give its error.
+    if type(cache) is LayerNormCache:
         result = _kernels.layer_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd,
-                                                   cache.eps, gamma, out, num_threads)
+                                                   cache.axis, cache._dtype, cache.eps, gamma,
+                                                   out, num_threads)
         if result is not None:
             return result
     dy = as_array(dy, "dy")

@@ -100,6 +100,9 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     >>> fastln.rms_norm(np.array([3.0, 4.0]), eps=0.0).round(4)
     array([0.8485, 1.1314])
     """
+    y = _family_kernels.rms_norm_forward_fast(x, gamma, eps, axis, out, num_threads, False)
+    if y is not None:
+        return y
     return _forward(x, gamma, eps, axis, out, num_threads, keep_cache=False)
 
 
@@ -123,6 +126,10 @@ def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=
     >>> cache.rstd.round(6)
     array([0.282843])
     """
+    result = _family_kernels.rms_norm_forward_fast(x, gamma, eps, axis, out, num_threads, True)
+    if result is not None:
+        y, rstd = result
+        return y, RMSNormCache(x, rstd, x.ndim - 1, eps, x.dtype)
     return _forward(x, gamma, eps, axis, out, num_threads, keep_cache=True)
 
 
@@ -164,6 +171,14 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     >>> bool(np.abs(dx).max() < 1e-15), dgamma.round(4)
     (True, array([2.5456, 4.5255]))
     """
+    # cache._dtype, not the dtype property: on a forged cache (rstd None) that property would
+    # raise before the general path could give its error.
+    if type(cache) is RMSNormCache:
+        result = _family_kernels.rms_norm_backward_fast(dy, cache.x, cache.rstd, cache.axis,
+                                                        cache._dtype, cache.eps, gamma, out,
+                                                        num_threads)
+        if result is not None:
+            return result
     dy = as_array(dy, "dy")
     check_cache(cache, dy, "rms_norm")
     dtype = cache.dtype

@@ -1,0 +1,646 @@
+"""The C-level fast paths (layer_norm_forward_fast, layer_norm_backward_fast in _kernels.pyx;
+rms_norm_forward_fast, rms_norm_backward_fast, add_norm_forward_fast in _family_kernels.pyx).
+
+Every public call is run twice on fresh copies of the same inputs: as it is, and with the fast
+paths switched off (each returns None, so the general Python path runs). The two must agree bit
+for bit, caches included (same class, same fields). The common calls must really take the fast
+path; everything unusual must decline it and still get the general path's result or error.
+"""
+import re
+
+import numpy as np
+import pytest
+from conftest import DTYPES, assert_bitwise_equal, random_input, random_params
+
+import fastln
+from fastln import _family_kernels, _kernels
+from fastln._layer_norm import RowNormCache
+
+FAST_FUNCTIONS = (
+    (_kernels, "layer_norm_forward_fast"),
+    (_kernels, "layer_norm_backward_fast"),
+    (_family_kernels, "rms_norm_forward_fast"),
+    (_family_kernels, "rms_norm_backward_fast"),
+    (_family_kernels, "add_norm_forward_fast"),
+)
+N_COLS = 96
+SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))
+CACHE_FIELDS = ("x", "mean", "rstd", "axis", "eps", "_dtype")
+
+
+# --------------------------------------------------------------------------------------------
+# Running a call on each path
+# --------------------------------------------------------------------------------------------
+
+def fresh_inputs(dtype, shape, seed=0):
+    """Every array a call may use, new each time (calls with out= or sum_out= write into them)."""
+    rng = np.random.default_rng(seed)
+    gamma, beta = random_params(rng, shape[-1], dtype)
+    bias = random_params(rng, shape[-1], dtype)[1]
+    return dict(x=random_input(rng, shape, dtype), residual=random_input(rng, shape, dtype),
+                dy=random_input(rng, shape, dtype), gamma=gamma, beta=beta, bias=bias,
+                out=np.full(shape, np.nan, dtype), sum_out=np.full(shape, np.nan, dtype))
+
+
+class Outcome:
+    """What a call did: its result, or the type and message of what it raised; and, for each
+    fast-path function it called, (name, whether that produced the result)."""
+
+    def __init__(self, call, inputs, monkeypatch, fast):
+        self.inputs = inputs
+        self.fast_results = []
+        with monkeypatch.context() as patch:
+            for module, name in FAST_FUNCTIONS:
+                patch.setattr(module, name, self._spy(name, getattr(module, name)) if fast
+                              else (lambda *args: None))
+            try:
+                self.result, self.error = call(inputs), None
+            except Exception as exc:  # noqa: BLE001 - compared below, whatever it is
+                self.result, self.error = None, (type(exc), str(exc))
+
+    def _spy(self, name, fast_function):
+        def spy(*args):
+            result = fast_function(*args)
+            self.fast_results.append((name, result is not None))
+            return result
+        return spy
+
+    @property
+    def took_fast_path(self):
+        return any(taken for _, taken in self.fast_results)
+
+    @property
+    def always_fast(self):
+        return bool(self.fast_results) and all(taken for _, taken in self.fast_results)
+
+    @property
+    def backward_took_fast_path(self):
+        return any(taken for name, taken in self.fast_results if "backward" in name)
+
+
+def run_both(call, dtype=np.float64, shape=(5, N_COLS), monkeypatch=None, seed=0):
+    fast = Outcome(call, fresh_inputs(dtype, shape, seed), monkeypatch, fast=True)
+    general = Outcome(call, fresh_inputs(dtype, shape, seed), monkeypatch, fast=False)
+    assert fast.error == general.error
+    if fast.error is None:
+        assert_same_result(fast.result, general.result)
+    return fast, general
+
+
+def assert_same_result(a, b, where="result"):
+    """Same structure; arrays of the same type, dtype, shape, contiguity and bytes; caches of
+    the same class with the same fields."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, tuple):
+        assert len(a) == len(b), where
+        for i, (item_a, item_b) in enumerate(zip(a, b)):
+            assert_same_result(item_a, item_b, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert a.flags.c_contiguous == b.flags.c_contiguous, where
+        assert_bitwise_equal(a, b, where)
+    elif isinstance(a, RowNormCache):
+        for field in CACHE_FIELDS:
+            if hasattr(type(a), field) or hasattr(a, field):
+                assert_same_result(getattr(a, field), getattr(b, field), f"{where}.{field}")
+    else:
+        assert a == b, (where, a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# The common calls: fast path taken, bitwise the general path's result
+# --------------------------------------------------------------------------------------------
+
+def _params(op, with_params):
+    if not with_params:
+        return {}
+    return {"layer_norm": ("gamma", "beta"), "rms_norm": ("gamma",)}[op]
+
+
+def _norm_call(op, keep_cache, with_params, out, eps, num_threads, axis):
+    function = getattr(fastln, op + ("_forward" if keep_cache else ""))
+
+    def call(d):
+        kwargs = dict(axis=d["x"].ndim - 1 if axis == "positive" else -1, eps=eps,
+                      num_threads=num_threads)
+        if out is not None:
+            kwargs["out"] = d[out]
+        result = function(d["x"], *(d[name] for name in _params(op, with_params)), **kwargs)
+        y = result[0] if keep_cache else result
+        if out is not None:
+            assert y is d[out]
+        if keep_cache:
+            assert result[1].x is d["x"]
+        return result
+    return call
+
+
+NORM_CASES = [(op, keep_cache, with_params, out)
+              for op in ("layer_norm", "rms_norm") for keep_cache in (False, True)
+              for with_params in (False, True)
+              for out in ((None, "out") if keep_cache else (None, "out", "x"))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op, keep_cache, with_params, out", NORM_CASES)
+def test_norm_forward_fast_path_is_the_general_path(monkeypatch, op, keep_cache, with_params,
+                                                    out, dtype):
+    for shape in SHAPES:
+        call = _norm_call(op, keep_cache, with_params, out, 1e-5, None, "negative")
+        fast, _ = run_both(call, dtype, shape, monkeypatch)
+        assert fast.error is None and fast.took_fast_path, shape
+
+
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("eps, num_threads, axis", [
+    (0.0, 1, "positive"), (1e-3, 2, "negative"), (1e-5, 3, "positive"), (2.5, None, "negative")])
+def test_norm_forward_eps_threads_axis(monkeypatch, op, eps, num_threads, axis):
+    # (96, 768): enough elements for the threads to run
+    for shape in ((2, 3, N_COLS), (96, 768)):
+        call = _norm_call(op, True, True, None, eps, num_threads, axis)
+        fast, _ = run_both(call, np.float32, shape, monkeypatch)
+        assert fast.took_fast_path
+
+
+def _backward_call(op, forward, with_gamma, out, num_threads=None):
+    """forward: the forward that made the cache ("plain", or "add" for the fused add+norm)."""
+    backward = getattr(fastln, op + "_backward")
+
+    def call(d):
+        gamma = d["gamma"] if with_gamma else None
+        if forward == "add":
+            add = getattr(fastln, "add_" + op + "_forward")
+            _, s, cache = add(d["x"], d["residual"], gamma)
+            assert cache.x is s
+        else:
+            _, cache = getattr(fastln, op + "_forward")(d["x"], gamma)
+        kwargs = {"num_threads": num_threads}
+        if out == "x":
+            kwargs["out"] = cache.x
+        elif out is not None:
+            kwargs["out"] = d[out]
+        result = backward(d["dy"], cache, gamma, **kwargs)
+        if out is not None:
+            assert result[0] is kwargs["out"]
+        return result
+    return call
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("forward", ("plain", "add"))
+@pytest.mark.parametrize("with_gamma", (False, True))
+@pytest.mark.parametrize("out", (None, "out", "dy", "x"))
+def test_norm_backward_fast_path_is_the_general_path(monkeypatch, op, forward, with_gamma, out,
+                                                     dtype):
+    for shape in SHAPES:
+        fast, _ = run_both(_backward_call(op, forward, with_gamma, out), dtype, shape,
+                           monkeypatch)
+        assert fast.error is None
+        assert fast.always_fast, (shape, fast.fast_results)
+
+
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("num_threads", (1, 2, 3))
+def test_norm_backward_threads(monkeypatch, op, num_threads):
+    fast, _ = run_both(_backward_call(op, "plain", True, None, num_threads), np.float32,
+                       (200, 768), monkeypatch)
+    assert fast.always_fast
+
+
+def _add_call(op, keep_cache, params, out, sum_out, num_threads=None, same_x_residual=False):
+    function = getattr(fastln, "add_" + op + ("_forward" if keep_cache else ""))
+
+    def call(d):
+        residual = d["x"] if same_x_residual else d["residual"]
+        gamma, beta, bias = (d[name] if name in params else None
+                             for name in ("gamma", "beta", "bias"))
+        kwargs = dict(bias=bias, num_threads=num_threads)
+        if out is not None:
+            kwargs["out"] = d[out]
+        if sum_out is not None:
+            kwargs["sum_out"] = d[sum_out]
+        if op == "layer_norm":
+            result = function(d["x"], residual, gamma, beta, **kwargs)
+        else:
+            result = function(d["x"], residual, gamma, **kwargs)
+        y, s = result[:2]
+        if out is not None:
+            assert y is d[out]
+        if sum_out is not None:
+            assert s is d[sum_out]
+        if keep_cache:
+            assert result[2].x is s
+        return result
+    return call
+
+
+ADD_PARAMS = ((), ("gamma",), ("bias",), ("gamma", "beta", "bias"))
+# out and sum_out may each be x or residual, never the same array
+ADD_OUTPUTS = [(out, sum_out) for out in (None, "out", "x", "residual")
+               for sum_out in (None, "sum_out", "residual", "x")
+               if out is None or out != sum_out]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+@pytest.mark.parametrize("keep_cache", (False, True))
+@pytest.mark.parametrize("out, sum_out", ADD_OUTPUTS)
+def test_add_norm_fast_path_is_the_general_path(monkeypatch, op, keep_cache, out, sum_out,
+                                                dtype):
+    for shape in SHAPES:
+        for params in ADD_PARAMS:
+            call = _add_call(op, keep_cache, params, out, sum_out)
+            fast, _ = run_both(call, dtype, shape, monkeypatch)
+            assert fast.error is None and fast.took_fast_path, (shape, params)
+
+
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+def test_add_norm_x_is_residual_and_threads(monkeypatch, op):
+    for num_threads in (1, 2, 3):
+        call = _add_call(op, True, ("gamma", "beta", "bias"), None, None, num_threads)
+        fast, _ = run_both(call, np.float32, (96, 768), monkeypatch)
+        assert fast.took_fast_path
+    for out, sum_out in ((None, None), ("x", None), (None, "x"), ("out", "x")):
+        call = _add_call(op, False, ("gamma",), out, sum_out, same_x_residual=True)
+        fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
+        assert fast.took_fast_path
+
+
+def test_fast_and_general_caches_hold_the_same_fields(monkeypatch):
+    """Not only equal: the same dtype object in _dtype (y's dtype, as the general path sets)."""
+    for call in (_norm_call("layer_norm", True, True, None, 1e-5, None, "negative"),
+                 _norm_call("rms_norm", True, True, None, 1e-5, None, "negative"),
+                 _add_call("layer_norm", True, ("gamma",), None, None),
+                 _add_call("rms_norm", True, ("gamma",), None, None)):
+        for dtype in DTYPES:
+            fast, general = run_both(call, dtype, (5, N_COLS), monkeypatch)
+            assert fast.took_fast_path
+            cache_fast, cache_general = fast.result[-1], general.result[-1]
+            assert cache_fast._dtype == cache_general._dtype == np.dtype(dtype)
+            assert type(cache_fast.eps) is type(cache_general.eps) is float
+            assert type(cache_fast.axis) is type(cache_general.axis) is int
+
+
+# --------------------------------------------------------------------------------------------
+# Unusual calls: the fast path declines, and the general path gives its result or its error
+# --------------------------------------------------------------------------------------------
+
+class Subclass(np.ndarray):
+    pass
+
+
+def _partial_overlap(d, name, target):
+    """d[target] replaced by a buffer that also backs a view shifted by one row, put in d[name];
+    the view starts with d[name]'s values."""
+    values = d[name]
+    buffer = np.zeros((values.shape[0] + 1,) + values.shape[1:], values.dtype)
+    buffer[1:] = values
+    d[name] = buffer[1:]
+    d[target] = buffer[:-1]
+
+
+def _gamma_inside_out(d):
+    """gamma stored in out's first row (so out overlaps gamma)."""
+    d["out"][0] = d["gamma"]
+    d["gamma"] = d["out"][0]
+
+
+# name -> (call, expected): expected is a call whose (fast) result the unusual call must equal
+# bit for bit, or (exception type, regex of the message).
+def _rms(d, **kw):
+    return fastln.rms_norm(d["x"], d["gamma"], **kw)
+
+
+def _ln(d, **kw):
+    return fastln.layer_norm(d["x"], d["gamma"], d["beta"], **kw)
+
+
+def _add_ln(d, **kw):
+    return fastln.add_layer_norm(d["x"], d["residual"], d["gamma"], d["beta"], bias=d["bias"],
+                                 **kw)
+
+
+def _add_rms(d, **kw):
+    return fastln.add_rms_norm(d["x"], d["residual"], d["gamma"], bias=d["bias"], **kw)
+
+
+def _with(d, **changes):
+    """d with some arrays replaced by functions of themselves."""
+    for name, change in changes.items():
+        d[name] = change(d[name])
+    return d
+
+
+FORTRAN = np.asfortranarray
+
+
+def OTHER_DTYPE(a):
+    """float32 for float64 and the other way round."""
+    return a.astype(np.float64 if a.dtype == np.float32 else np.float32)
+
+
+def ROUND_TRIP(a):
+    """The values OTHER_DTYPE(a) has once the general path casts them back to a's dtype."""
+    return OTHER_DTYPE(a).astype(a.dtype)
+
+
+def SWAPPED(a):
+    return a.astype(a.dtype.newbyteorder("S"))
+
+
+def STRIDED(a):
+    return np.repeat(a, 2, axis=-1)[..., ::2]
+
+
+def _unaligned(a):
+    buffer = np.zeros(a.nbytes + 1, np.uint8)
+    view = buffer[1:].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    return view
+
+
+def _rms_into_overlapping_out(d):
+    _partial_overlap(d, "x", "out")
+    return _rms(d, out=d["out"])
+
+
+def _ln_into_overlapping_out(d):
+    _partial_overlap(d, "x", "out")
+    return _ln(d, out=d["out"])
+
+
+def _rms_out_holds_gamma(d):
+    _gamma_inside_out(d)
+    return _rms(d, out=d["out"]).copy()
+
+
+def _add_ln_sum_out_overlapping_residual(d):
+    _partial_overlap(d, "residual", "sum_out")
+    return tuple(a.copy() for a in _add_ln(d, sum_out=d["sum_out"]))
+
+
+def _add_ln_out_overlapping_x(d):
+    _partial_overlap(d, "x", "out")
+    return tuple(a.copy() for a in _add_ln(d, out=d["out"]))
+
+
+def _add_rms_out_holds_bias(d):
+    d["out"][0] = d["bias"]
+    d["bias"] = d["out"][0]
+    return tuple(a.copy() for a in _add_rms(d, out=d["out"]))
+
+
+def _readonly(d, name):
+    d[name].setflags(write=False)
+    return d[name]
+
+
+FORWARD_FALLBACKS = {
+    # inputs the general path converts: the same bits as the fast path on the converted input
+    "rms-fortran-x": (lambda d: _rms(_with(d, x=FORTRAN)), _rms),
+    "rms-strided-x": (lambda d: _rms(_with(d, x=STRIDED)), _rms),
+    "rms-unaligned-x": (lambda d: _rms(_with(d, x=_unaligned)), _rms),
+    "rms-byteswapped-x": (lambda d: _rms(_with(d, x=SWAPPED)), _rms),
+    "rms-subclass-x": (lambda d: _rms(_with(d, x=lambda a: a.view(Subclass))), _rms),
+    "rms-list-x": (lambda d: _rms(_with(d, x=lambda a: a.tolist())), _rms),
+    "rms-byteswapped-gamma": (lambda d: _rms(_with(d, gamma=SWAPPED)), _rms),
+    "rms-other-dtype-gamma": (lambda d: _rms(_with(d, gamma=OTHER_DTYPE)),
+                              lambda d: _rms(_with(d, gamma=ROUND_TRIP))),
+    "rms-eps-numpy-scalar": (lambda d: _rms(d, eps=np.float64(1e-3)), lambda d: _rms(d, eps=1e-3)),
+    "rms-eps-int": (lambda d: _rms(d, eps=1), lambda d: _rms(d, eps=1.0)),
+    "rms-num-threads-numpy-int": (lambda d: _rms(d, num_threads=np.int64(2)),
+                                  lambda d: _rms(d, num_threads=2)),
+    "rms-num-threads-above-cap": (lambda d: _rms(d, num_threads=10**6), _rms),
+    "rms-axis-numpy-int": (lambda d: _rms(d, axis=np.int64(-1)), _rms),
+    "rms-overlapping-out": (_rms_into_overlapping_out, _rms),
+    "rms-out-overlaps-gamma": (_rms_out_holds_gamma, _rms),
+    "ln-fortran-x": (lambda d: _ln(_with(d, x=FORTRAN)), _ln),
+    "ln-other-dtype-beta": (lambda d: _ln(_with(d, beta=OTHER_DTYPE)),
+                            lambda d: _ln(_with(d, beta=ROUND_TRIP))),
+    "ln-eps-int": (lambda d: _ln(d, eps=0), lambda d: _ln(d, eps=0.0)),
+    "ln-overlapping-out": (_ln_into_overlapping_out, _ln),
+    "add-ln-fortran-residual": (lambda d: _add_ln(_with(d, residual=FORTRAN)), _add_ln),
+    "add-ln-byteswapped-x": (lambda d: _add_ln(_with(d, x=SWAPPED)), _add_ln),
+    "add-ln-other-dtype-residual": (lambda d: _add_ln(_with(d, residual=OTHER_DTYPE)),
+                                    lambda d: _add_ln(_with(d, residual=ROUND_TRIP))),
+    "add-ln-other-dtype-bias": (lambda d: _add_ln(_with(d, bias=OTHER_DTYPE)),
+                                lambda d: _add_ln(_with(d, bias=ROUND_TRIP))),
+    "add-rms-other-dtype-gamma": (lambda d: _add_rms(_with(d, gamma=OTHER_DTYPE)),
+                                  lambda d: _add_rms(_with(d, gamma=ROUND_TRIP))),
+    "add-ln-eps-numpy-scalar": (lambda d: _add_ln(d, eps=np.float32(0.5)),
+                                lambda d: _add_ln(d, eps=0.5)),
+    "add-ln-sum-out-overlaps-residual": (_add_ln_sum_out_overlapping_residual, _add_ln),
+    "add-ln-out-overlaps-x": (_add_ln_out_overlapping_x, _add_ln),
+    "add-rms-out-overlaps-bias": (_add_rms_out_holds_bias, _add_rms),
+    "add-rms-strided-x": (lambda d: _add_rms(_with(d, x=STRIDED)), _add_rms),
+    "add-rms-num-threads-numpy-int": (lambda d: _add_rms(d, num_threads=np.int32(1)), _add_rms),
+    # errors: the general path's, with its message
+    "rms-num-threads-0": (lambda d: _rms(d, num_threads=0), (ValueError, "num_threads")),
+    "rms-num-threads-negative": (lambda d: _rms(d, num_threads=-2), (ValueError, "num_threads")),
+    "rms-num-threads-float": (lambda d: _rms(d, num_threads=2.0), (ValueError, "num_threads")),
+    "rms-num-threads-bool": (lambda d: _rms(d, num_threads=True), (ValueError, "num_threads")),
+    "rms-eps-negative": (lambda d: _rms(d, eps=-1e-5), (ValueError, "eps")),
+    "rms-eps-nan": (lambda d: _rms(d, eps=float("nan")), (ValueError, "eps")),
+    "rms-eps-inf": (lambda d: _rms(d, eps=float("inf")), (ValueError, "eps")),
+    "rms-eps-bool": (lambda d: _rms(d, eps=True), (TypeError, "eps")),
+    "rms-eps-string": (lambda d: _rms(d, eps="1e-5"), (TypeError, "eps")),
+    "rms-axis-out-of-range": (lambda d: _rms(d, axis=2), (ValueError, "axis")),
+    "rms-axis-float": (lambda d: _rms(d, axis=-1.0), (TypeError, "axis")),
+    "rms-gamma-wrong-shape": (lambda d: _rms(_with(d, gamma=lambda g: g[:-1])),
+                              (ValueError, "gamma")),
+    "rms-out-wrong-dtype": (lambda d: _rms(d, out=OTHER_DTYPE(d["out"])),
+                            (ValueError, "out has dtype")),
+    "rms-out-readonly": (lambda d: _rms(d, out=_readonly(d, "out")),
+                         (ValueError, "out is read-only")),
+    "rms-out-wrong-shape": (lambda d: _rms(d, out=d["out"][:-1]), (ValueError, "out")),
+    "rms-nothing-to-normalize": (lambda d: fastln.rms_norm(d["x"][:, :0]),
+                                 (ValueError, "empty")),
+    "rms-0-d-x": (lambda d: fastln.rms_norm(d["x"][0, 0]), (ValueError, "dimension")),
+    "rms-forward-out-is-x": (lambda d: fastln.rms_norm_forward(d["x"], out=d["x"]),
+                             (ValueError, "out overlaps x")),
+    "ln-forward-out-is-x": (lambda d: fastln.layer_norm_forward(d["x"], out=d["x"]),
+                            (ValueError, "out overlaps x")),
+    "ln-num-threads-0": (lambda d: _ln(d, num_threads=0), (ValueError, "num_threads")),
+    "add-ln-out-is-sum-out": (lambda d: _add_ln(d, out=d["out"], sum_out=d["out"]),
+                              (ValueError, "out and sum_out overlap")),
+    "add-ln-out-and-sum-out-are-x": (lambda d: _add_ln(d, out=d["x"], sum_out=d["x"]),
+                                     (ValueError, "out and sum_out overlap")),
+    "add-rms-out-and-sum-out-are-residual": (
+        lambda d: _add_rms(d, out=d["residual"], sum_out=d["residual"]),
+        (ValueError, "out and sum_out overlap")),
+    "add-rms-residual-wrong-shape": (lambda d: _add_rms(_with(d, residual=lambda r: r[:-1])),
+                                     (ValueError, "residual")),
+    "add-rms-bias-wrong-shape": (lambda d: _add_rms(_with(d, bias=lambda b: b[1:])),
+                                 (ValueError, "bias")),
+    "add-rms-num-threads-negative": (lambda d: _add_rms(d, num_threads=-1),
+                                     (ValueError, "num_threads")),
+    "add-ln-eps-negative": (lambda d: _add_ln(d, eps=-1.0), (ValueError, "eps")),
+    "add-ln-sum-out-wrong-dtype": (lambda d: _add_ln(d, sum_out=d["sum_out"].astype(np.float16)),
+                                   (ValueError, "sum_out")),
+    "add-ln-sum-out-readonly": (lambda d: _add_ln(d, sum_out=_readonly(d, "sum_out")),
+                                (ValueError, "sum_out is read-only")),
+}
+
+
+def _check_fallback(monkeypatch, call, expected, dtype):
+    fast, general = run_both(call, dtype, (5, N_COLS), monkeypatch)
+    assert not fast.took_fast_path, fast.fast_results
+    if isinstance(expected, tuple):
+        error_type, message = expected
+        assert fast.error is not None and fast.error[0] is error_type, fast.error
+        assert re.search(message, fast.error[1]), fast.error
+        return
+    assert fast.error is None, fast.error
+    common = Outcome(expected, fresh_inputs(dtype, (5, N_COLS)), monkeypatch, fast=True)
+    assert common.error is None and common.always_fast, common.fast_results
+    assert_same_result(tuple(np.ascontiguousarray(a) for a in _as_tuple(fast.result)),
+                       _as_tuple(common.result))
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+@pytest.mark.parametrize("name, dtype", [(name, dtype) for name in sorted(FORWARD_FALLBACKS)
+                                          for dtype in DTYPES
+                                          if dtype is np.float64 or "list-x" not in name])
+def test_forward_falls_back(monkeypatch, name, dtype):
+    """(A list becomes float64, so list-x runs for float64 only.)"""
+    call, expected = FORWARD_FALLBACKS[name]
+    _check_fallback(monkeypatch, call, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "int64", "bool"))
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"))
+def test_dtypes_without_a_fast_path_fall_back(monkeypatch, op, dtype):
+    def call(d):
+        x = d["x"].astype(dtype)
+        if op.startswith("add"):
+            return getattr(fastln, op)(x, d["residual"].astype(dtype))
+        return getattr(fastln, op)(x)
+    fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
+    assert fast.error is None and not fast.took_fast_path
+
+
+def _backward(op, forward_inputs=None, dy=None, gamma=False, tamper=None, **kwargs):
+    """A call: forward (with forward_inputs applied to d), then backward; tamper edits the
+    cache, dy edits dy, gamma=True passes gamma (or a function of it)."""
+    def call(d):
+        if forward_inputs is not None:
+            forward_inputs(d)
+        _, cache = getattr(fastln, op + "_forward")(d["x"], d["gamma"])
+        if tamper is not None:
+            tamper(cache)
+        # the keyword arguments first: out= may put dy into a new buffer
+        extra = {key: (value(d, cache) if callable(value) else value)
+                 for key, value in kwargs.items()}
+        dy_value = d["dy"] if dy is None else dy(d["dy"])
+        gamma_value = (None if gamma is False else d["gamma"] if gamma is True
+                       else gamma(d["gamma"]))
+        return getattr(fastln, op + "_backward")(dy_value, cache, gamma_value, **extra)
+    return call
+
+
+def _set(**fields):
+    def tamper(cache):
+        for name, change in fields.items():
+            setattr(cache, name, change(cache))
+    return tamper
+
+
+def _dy_overlapping_out(d, cache):
+    """out: a buffer whose other view (shifted by one row) holds dy."""
+    _partial_overlap(d, "dy", "out")
+    return d["out"]
+
+
+BACKWARD_FALLBACKS = {}
+for _op in ("layer_norm", "rms_norm"):
+    _plain = _backward(_op, gamma=True)
+    BACKWARD_FALLBACKS.update({
+        f"{_op}-fortran-dy": (_backward(_op, dy=FORTRAN, gamma=True), _plain),
+        f"{_op}-byteswapped-dy": (_backward(_op, dy=SWAPPED, gamma=True), _plain),
+        f"{_op}-other-dtype-gamma": (_backward(_op, gamma=OTHER_DTYPE),
+                                     _backward(_op, gamma=ROUND_TRIP)),
+        f"{_op}-num-threads-numpy-int": (_backward(_op, gamma=True, num_threads=np.int64(1)),
+                                         _plain),
+        f"{_op}-cache-eps-numpy-scalar": (
+            _backward(_op, gamma=True, tamper=_set(eps=lambda c: np.float64(c.eps))), _plain),
+        f"{_op}-cache-rstd-other-dtype": (
+            _backward(_op, gamma=True, tamper=_set(rstd=lambda c: OTHER_DTYPE(c.rstd))),
+            _backward(_op, gamma=True, tamper=_set(rstd=lambda c: ROUND_TRIP(c.rstd)))),
+        f"{_op}-cache-axis-numpy-int": (
+            _backward(_op, gamma=True, tamper=_set(axis=lambda c: np.int64(c.axis))), _plain),
+        f"{_op}-cache-fortran-x": (
+            _backward(_op, gamma=True, tamper=_set(x=lambda c: FORTRAN(c.x))), _plain),
+        f"{_op}-out-overlaps-dy": (
+            lambda d, _op=_op: _backward(_op, gamma=True, out=_dy_overlapping_out)(d)[0].copy(),
+            lambda d, _op=_op: _backward(_op, gamma=True)(d)[0]),
+        f"{_op}-num-threads-0": (_backward(_op, num_threads=0), (ValueError, "num_threads")),
+        f"{_op}-num-threads-bool": (_backward(_op, num_threads=True),
+                                    (ValueError, "num_threads")),
+        f"{_op}-dy-other-dtype": (
+            _backward(_op, dy=OTHER_DTYPE),
+            (ValueError, "dy has dtype")),
+        f"{_op}-dy-wrong-shape": (_backward(_op, dy=lambda a: a[:-1]), (ValueError, "dy")),
+        f"{_op}-gamma-wrong-shape": (_backward(_op, gamma=lambda g: g[:-1]),
+                                     (ValueError, "gamma")),
+        f"{_op}-out-readonly": (_backward(_op, out=lambda d, cache: _readonly(d, "out")),
+                                (ValueError, "out is read-only")),
+        f"{_op}-forged-axis-minus-one": (_backward(_op, tamper=_set(axis=lambda c: -1)),
+                                         (ValueError, "cache.axis")),
+        f"{_op}-forged-axis-bool": (_backward(_op, tamper=_set(axis=lambda c: True)),
+                                    (ValueError, "cache.axis")),
+        f"{_op}-forged-dtype-float16": (
+            _backward(_op, tamper=_set(_dtype=lambda c: np.dtype(np.float16))),
+            (ValueError, "cache.dtype")),
+        f"{_op}-forged-dtype-byteswapped": (
+            _backward(_op, tamper=_set(_dtype=lambda c: c.dtype.newbyteorder("S"))),
+            (ValueError, "cache.dtype")),
+        f"{_op}-forged-eps-negative": (_backward(_op, tamper=_set(eps=lambda c: -1.0)),
+                                       (ValueError, "cache.eps")),
+        f"{_op}-forged-rstd-flattened": (
+            _backward(_op, forward_inputs=lambda d: d.update(x=d["x"].reshape(5, 2, -1)),
+                      dy=lambda a: a.reshape(5, 2, -1),
+                      tamper=_set(rstd=lambda c: c.rstd.reshape(-1))),
+            (ValueError, "cache.rstd has shape")),
+    })
+BACKWARD_FALLBACKS["layer_norm-forged-mean-flattened"] = (
+    _backward("layer_norm", forward_inputs=lambda d: d.update(x=d["x"].reshape(5, 2, -1)),
+              dy=lambda a: a.reshape(5, 2, -1), tamper=_set(mean=lambda c: c.mean.reshape(-1))),
+    (ValueError, "cache.mean has shape"))
+BACKWARD_FALLBACKS["rms_norm-layer-norm-cache"] = (
+    lambda d: fastln.rms_norm_backward(d["dy"], fastln.layer_norm_forward(d["x"])[1]),
+    (ValueError, "cache comes from layer_norm_forward"))
+BACKWARD_FALLBACKS["rms_norm-not-a-cache"] = (
+    lambda d: fastln.rms_norm_backward(d["dy"], (d["x"], None)), (TypeError, "cache"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(BACKWARD_FALLBACKS))
+def test_backward_falls_back(monkeypatch, name, dtype):
+    call, expected = BACKWARD_FALLBACKS[name]
+    fast, _ = run_both(call, dtype, (10, N_COLS), monkeypatch)
+    assert not fast.backward_took_fast_path, fast.fast_results
+    if isinstance(expected, tuple):
+        assert fast.error is not None and fast.error[0] is expected[0], fast.error
+        assert re.search(expected[1], fast.error[1]), fast.error
+        return
+    assert fast.error is None, fast.error
+    common = Outcome(expected, fresh_inputs(dtype, (10, N_COLS)), monkeypatch, fast=True)
+    assert common.error is None and common.always_fast, common.fast_results
+    assert_same_result(_as_tuple(fast.result), _as_tuple(common.result))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hand_built_caches_take_the_fast_path(monkeypatch, dtype):
+    """A cache built by hand (public constructor, no dtype) is as good as the forward's."""
+    def call(d):
+        _, cache = fastln.layer_norm_forward(d["x"])
+        hand_ln = fastln.LayerNormCache(cache.x, cache.mean, cache.rstd, cache.axis, cache.eps)
+        _, cache = fastln.rms_norm_forward(d["x"])
+        hand_rms = fastln.RMSNormCache(cache.x, cache.rstd, cache.axis, cache.eps)
+        return (fastln.layer_norm_backward(d["dy"], hand_ln),
+                fastln.rms_norm_backward(d["dy"], hand_rms))
+    fast, _ = run_both(call, dtype, (5, N_COLS), monkeypatch)
+    assert fast.always_fast and len(fast.fast_results) == 4
