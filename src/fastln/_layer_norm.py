@@ -1,6 +1,7 @@
 """fastln.layer_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -241,6 +242,44 @@ def check_cache(cache, dy, op):
                          "(the dtype of the forward's y)")
 
 
+class RowBackwardArrays(NamedTuple):
+    """What the general path of a row normalization's backward hands its kernels: dy, x and dx
+    as (rows, cols) kernel arrays, gamma and rstd checked and converted."""
+    dtype: np.dtype
+    stats_dtype: np.dtype      # float32 for float16/bfloat16, else dtype
+    normalized_shape: tuple
+    gamma: object
+    num_threads: int
+    dy: np.ndarray
+    x: np.ndarray
+    dx: np.ndarray             # rows of dx_array
+    dx_array: np.ndarray       # the result, of x's shape (or the caller's out)
+    rstd: np.ndarray
+
+
+def row_backward_arrays(dy, cache, gamma, out, num_threads, op):
+    """The checks and conversions LayerNorm's and RMSNorm's backwards share, in the order their
+    errors are raised: dy, the cache, gamma, num_threads, out."""
+    dy = as_array(dy, "dy")
+    check_cache(cache, dy, op)
+    dtype = cache.dtype
+    stats_dtype = compute_dtype(dtype)
+    axis = cache.axis
+    n_rows, n_cols = rows_and_cols(cache.shape, axis)
+    normalized_shape = cache.shape[axis:]
+    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
+    num_threads = resolve_num_threads(num_threads)
+
+    dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
+    x_rows = as_kernel_array(cache.x, dtype).reshape(n_rows, n_cols)
+    dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
+    dx_rows = dx.reshape(n_rows, n_cols)
+    return RowBackwardArrays(
+        dtype, stats_dtype, normalized_shape, protect_from_output(gamma, dx_rows), num_threads,
+        protect_from_output(dy_rows, dx_rows), protect_from_output(x_rows, dx_rows), dx_rows, dx,
+        as_kernel_array(cache.rstd, stats_dtype).reshape(n_rows))
+
+
 def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """Gradients of :func:`layer_norm_forward` with respect to x, gamma and beta.
 
@@ -287,34 +326,16 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
                                                    out, num_threads)
         if result is not None:
             return result
-    dy = as_array(dy, "dy")
-    check_cache(cache, dy, "layer_norm")
-    dtype = cache.dtype
-    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16, else dtype
-    axis = cache.axis
-    n_rows, n_cols = rows_and_cols(cache.shape, axis)
-    normalized_shape = cache.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
-    num_threads = resolve_num_threads(num_threads)
-
-    dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
-    x_rows = as_kernel_array(cache.x, dtype).reshape(n_rows, n_cols)
-    dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
-    dx_rows = dx.reshape(n_rows, n_cols)
-    dy_rows = protect_from_output(dy_rows, dx_rows)
-    x_rows = protect_from_output(x_rows, dx_rows)
-    gamma = protect_from_output(gamma, dx_rows)
-    mean = as_kernel_array(cache.mean, stats_dtype).reshape(n_rows)
-    rstd = as_kernel_array(cache.rstd, stats_dtype).reshape(n_rows)
-
-    dgamma = np.empty(normalized_shape, stats_dtype)
-    dbeta = np.empty(normalized_shape, stats_dtype)
-    if is_half(dtype):
-        _half_kernels.norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
+    rows = row_backward_arrays(dy, cache, gamma, out, num_threads, "layer_norm")
+    mean = as_kernel_array(cache.mean, rows.stats_dtype).reshape(rows.dy.shape[0])
+    dgamma = np.empty(rows.normalized_shape, rows.stats_dtype)
+    dbeta = np.empty(rows.normalized_shape, rows.stats_dtype)
+    if is_half(rows.dtype):
+        _half_kernels.norm_backward(rows.dy, rows.x, rows.gamma, mean, rows.rstd, rows.dx,
                                     dgamma.reshape(-1), dbeta.reshape(-1), False, cache.eps,
-                                    half_kind(dtype), num_threads)
+                                    half_kind(rows.dtype), rows.num_threads)
     else:
-        _kernels.layer_norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows,
+        _kernels.layer_norm_backward(rows.dy, rows.x, rows.gamma, mean, rows.rstd, rows.dx,
                                      dgamma.reshape(-1), dbeta.reshape(-1), cache.eps,
-                                     num_threads)
-    return dx, dgamma, dbeta
+                                     rows.num_threads)
+    return rows.dx_array, dgamma, dbeta

@@ -2,10 +2,9 @@
 import numpy as np
 
 from fastln import _family_kernels, _half_kernels
-from fastln._layer_norm import RowNormCache, check_cache
+from fastln._layer_norm import RowNormCache, row_backward_arrays
 from fastln._output_cache import empty_output
 from fastln._validation import (
-    as_array,
     as_kernel_array,
     check_eps,
     check_input,
@@ -179,31 +178,13 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
                                                         num_threads)
         if result is not None:
             return result
-    dy = as_array(dy, "dy")
-    check_cache(cache, dy, "rms_norm")
-    dtype = cache.dtype
-    stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16, else dtype
-    axis = cache.axis
-    n_rows, n_cols = rows_and_cols(cache.shape, axis)
-    normalized_shape = cache.shape[axis:]
-    gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
-    num_threads = resolve_num_threads(num_threads)
-
-    dy_rows = as_kernel_array(dy, dtype).reshape(n_rows, n_cols)
-    x_rows = as_kernel_array(cache.x, dtype).reshape(n_rows, n_cols)
-    dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
-    dx_rows = dx.reshape(n_rows, n_cols)
-    dy_rows = protect_from_output(dy_rows, dx_rows)
-    x_rows = protect_from_output(x_rows, dx_rows)
-    gamma = protect_from_output(gamma, dx_rows)
-    rstd = as_kernel_array(cache.rstd, stats_dtype).reshape(n_rows)
-
-    dgamma = np.empty(normalized_shape, stats_dtype)
-    if is_half(dtype):
-        _half_kernels.norm_backward(dy_rows, x_rows, gamma, None, rstd, dx_rows,
-                                    dgamma.reshape(-1), None, True, cache.eps, half_kind(dtype),
-                                    num_threads)
+    rows = row_backward_arrays(dy, cache, gamma, out, num_threads, "rms_norm")
+    dgamma = np.empty(rows.normalized_shape, rows.stats_dtype)
+    if is_half(rows.dtype):
+        _half_kernels.norm_backward(rows.dy, rows.x, rows.gamma, None, rows.rstd, rows.dx,
+                                    dgamma.reshape(-1), None, True, cache.eps,
+                                    half_kind(rows.dtype), rows.num_threads)
     else:
-        _family_kernels.rms_norm_backward(dy_rows, x_rows, gamma, rstd, dx_rows,
-                                          dgamma.reshape(-1), cache.eps, num_threads)
-    return dx, dgamma
+        _family_kernels.rms_norm_backward(rows.dy, rows.x, rows.gamma, rows.rstd, rows.dx,
+                                          dgamma.reshape(-1), cache.eps, rows.num_threads)
+    return rows.dx_array, dgamma
