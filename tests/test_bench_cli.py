@@ -72,6 +72,8 @@ def test_bench_json_schema(tiny_run):
     assert data["schema"] == "fastln-bench/1"
     assert data["command"].startswith("fastln bench --shapes 4x32,16x64")
     assert data["duration_seconds"] > 0
+    others = data["other_processes_cpus"]  # None where /proc/stat is missing
+    assert others is None or others >= 0
     assert data["settings"]["shapes"] == [[4, 32], [16, 64]]
     assert data["settings"]["threads"] == [1]
     assert data["settings"]["peers"] == ["numpy"]
@@ -262,16 +264,103 @@ def _clean_environment(**extra):
     return environment
 
 
-def test_python_m_fastln_bench_measures_in_a_child_with_passive_openmp(tmp_path):
+def test_python_m_fastln_bench_measures_in_a_child_with_a_short_openmp_spin(tmp_path):
     path = tmp_path / "child.json"
     result = subprocess.run([sys.executable, "-m", "fastln", *TINY, "--ops", "forward",
                              "--json", str(path)],
                             capture_output=True, text=True, timeout=120,
                             env=_clean_environment())
     assert result.returncode == 0, result.stderr
-    assert "numpy-inplace" in result.stdout and "OMP_WAIT_POLICY=PASSIVE" in result.stdout
+    spin = f"GOMP_SPINCOUNT={command.GOMP_SPIN_COUNT}"
+    assert "numpy-inplace" in result.stdout and spin in result.stdout
+    assert "ms of untimed calls" in result.stdout
     data = json.loads(path.read_text())
-    assert data["machine"]["thread_environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    environment = data["machine"]["thread_environment"]
+    assert environment["GOMP_SPINCOUNT"] == str(command.GOMP_SPIN_COUNT)
+    assert "OMP_WAIT_POLICY" not in environment
+    assert data["settings"]["warmup_seconds"] > 0
+
+
+@pytest.mark.parametrize("name, value", [("GOMP_SPINCOUNT", "1234"),
+                                         ("OMP_WAIT_POLICY", "PASSIVE")])
+def test_a_wait_policy_set_by_the_user_is_kept(tmp_path, name, value):
+    path = tmp_path / "mine.json"
+    result = subprocess.run([sys.executable, "-m", "fastln", *TINY, "--ops", "forward",
+                             "--json", str(path)],
+                            capture_output=True, text=True, timeout=120,
+                            env=_clean_environment(**{name: value}))
+    assert result.returncode == 0, result.stderr
+    assert f"{name}={value}" in result.stdout
+    environment = json.loads(path.read_text())["machine"]["thread_environment"]
+    assert environment[name] == value
+    assert [key for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if key in environment] == [name]
+
+
+def test_every_sample_follows_a_warm_up_except_for_long_calls():
+    from fastln.bench import timing
+
+    schedule = timing.Schedule()
+    assert schedule.warmup_for(1e-5) == schedule.warmup_for(0.01) == 0.001
+    assert schedule.warmup_for(0.05) == 0.0
+
+    log = []
+    samples = timing.interleaved_samples([lambda: log.append("a"), lambda: log.append("b")],
+                                         [3, 2], rounds=2, warmup=[0.002, 0.0])
+    assert [len(s) for s in samples] == [2, 2]
+    # Round 0 starts with a, round 1 with b; a's warm-up adds at least one untimed call.
+    first_b = log.index("b")
+    assert first_b > 3 and log[:first_b] == ["a"] * first_b
+    assert log.count("b") == 2 * 2 and log.count("a") >= 2 * (3 + 1)
+
+    calls = []
+    timing.warm_up(lambda: calls.append(1), 0.0)
+    assert calls == []
+    timing.warm_up(lambda: calls.append(1), 1.0)  # a call longer than the warm-up: once
+    assert len(calls) >= 1
+
+
+def test_cpus_taken_by_other_processes():
+    from fastln.bench import machine
+
+    # 3 CPU-seconds of work in 2 s, 1 of them ours: other processes kept one CPU busy.
+    assert machine.other_processes_cpus((10.0, 1.0), (13.0, 2.0), 2.0) == 1.0
+    assert machine.other_processes_cpus((10.0, 1.0), (10.5, 2.0), 2.0) == 0.0  # tick rounding
+    assert machine.other_processes_cpus(None, (13.0, 2.0), 2.0) is None
+    reading = machine.busy_cpu_seconds()
+    assert reading is None or (reading[0] >= 0 and reading[1] >= 0)
+
+
+def test_the_header_says_how_idle_workers_waited():
+    machine = {"thread_environment": {"GOMP_SPINCOUNT": "10000", "OMP_NUM_THREADS": "2"}}
+    spinning = {"session.intra_op.allow_spinning": "1",
+                "session.intra_op.spin_duration_us": "200"}
+    assert report.wait_policy({"machine": machine, "settings": {}}) == ["GOMP_SPINCOUNT=10000"]
+    assert report.wait_policy({"machine": machine,
+                               "settings": {"onnxruntime_session_config": spinning}}) == [
+        "GOMP_SPINCOUNT=10000", "onnxruntime spin 200 µs"]
+    machine = {"thread_environment": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    off = {"session.intra_op.allow_spinning": "0"}
+    assert report.wait_policy({"machine": machine,
+                               "settings": {"onnxruntime_session_config": off}}) == [
+        "OMP_WAIT_POLICY=PASSIVE", "onnxruntime spinning off"]
+
+
+@pytest.mark.skipif(not peers.is_installed("onnxruntime"), reason="onnxruntime is not installed")
+def test_onnxruntime_workers_spin_briefly_unless_passive_or_too_old(monkeypatch):
+    import onnxruntime
+
+    from fastln.bench.ops import base
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(onnxruntime, "__version__", "1.32.0")
+    assert base.onnxruntime_spinning() == {
+        "session.intra_op.allow_spinning": "1",
+        "session.intra_op.spin_duration_us": str(base.ONNXRUNTIME_SPIN_MICROSECONDS)}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert base.onnxruntime_spinning() == {"session.intra_op.allow_spinning": "0"}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(onnxruntime, "__version__", "1.20.1")  # no spin_duration_us yet
+    assert base.onnxruntime_spinning() == {"session.intra_op.allow_spinning": "0"}
 
 
 def test_peers_that_are_not_selected_are_not_imported():

@@ -14,12 +14,20 @@ Defaults, and why:
            than a second: the largest arrays); --repeat N fixes them.
   --quick  four shapes up to 4096x4096, all CPUs only, shorter samples: under a minute.
 
-The measurements run in a child process with OMP_WAIT_POLICY=PASSIVE (unless OMP_WAIT_POLICY or
-GOMP_SPINCOUNT is already set, which is then respected). Interleaving puts several OpenMP
-runtimes in one process (fastln's libgomp, PyTorch's own copy, ONNX Runtime's pool), and by
-default each one's idle workers spin for milliseconds after every call; on a machine with few
-cores the next implementation then waits for a core, and multi-threaded timings are off by
-orders of magnitude. The policy must be set before libgomp loads, hence the fresh process.
+The measurements run in a child process with GOMP_SPINCOUNT=10000 (unless OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is already set, which is then respected): how long an idle OpenMP worker spins,
+waiting for the next parallel region, before it sleeps. Interleaving puts several thread pools in
+one process (libgomp's, which fastln and PyTorch share, and ONNX Runtime's); by default libgomp's
+idle workers spin for 300,000 iterations (about 5 ms on the machine of docs/results.md) and ONNX
+Runtime's for tens of milliseconds, so on a machine with few cores the next implementation waits
+for a core and multi-threaded timings are off by orders of magnitude. Workers that sleep at once
+(OMP_WAIT_POLICY=PASSIVE) must be woken through the kernel at every call instead, which costs
+tens of microseconds on a virtual machine: a 512x768 forward became slower with two threads than
+with one. 10,000 iterations (about 0.2 ms there) keep a pool awake between back-to-back calls
+and free the cores soon after the last one; ONNX Runtime's workers spin as briefly
+(fastln.bench.ops.base.onnxruntime_spinning), and every sample follows a millisecond of untimed
+calls that outlasts the previous implementation's spinning (fastln.bench.timing). The count must
+be set before libgomp loads, hence the fresh process. docs/performance.md has the figures.
 
 Nothing heavy is imported here (no peer, no matplotlib): the parser is built every time
 `fastln` starts.
@@ -30,6 +38,7 @@ import subprocess
 import sys
 
 from fastln.bench.ops import OPERATIONS
+from fastln.bench.ops.base import ONNXRUNTIME_SPIN_MICROSECONDS
 from fastln.bench.peers import PEERS
 
 STANDARD_SHAPES = ((1, 768), (8, 768), (64, 768), (512, 768), (4096, 768), (4096, 4096),
@@ -37,6 +46,8 @@ STANDARD_SHAPES = ((1, 768), (8, 768), (64, 768), (512, 768), (4096, 768), (4096
 QUICK_SHAPES = ((1, 768), (64, 768), (4096, 768), (4096, 4096))
 DTYPES = ("float32", "float64")
 OPS = tuple(OPERATIONS)
+# libgomp's spin before an idle worker sleeps, in iterations of a pause loop (see above).
+GOMP_SPIN_COUNT = 10000
 # LayerNorm only, so that the default run stays at about two minutes; the normalization family
 # (rms_*, add_*, batch_norm_*) runs when --ops names it.
 DEFAULT_OPS = ("forward", "backward")
@@ -129,10 +140,14 @@ def add_arguments(parser):
     parser.description = ("Time fastln's layer_norm forward and backward against NumPy "
                           "(naive and in place), PyTorch and ONNX Runtime when installed, in one "
                           "process, interleaved, with the same thread count for all.")
-    parser.epilog = ("The measurements run in a child process with OMP_WAIT_POLICY=PASSIVE, so "
-                     "that idle OpenMP workers of one library do not spin on the cores the next "
-                     "one needs; set OMP_WAIT_POLICY (or GOMP_SPINCOUNT) yourself to measure in "
-                     "this process with your policy.")
+    parser.epilog = (f"The measurements run in a child process with "
+                     f"GOMP_SPINCOUNT={GOMP_SPIN_COUNT}, so that idle OpenMP workers stay awake "
+                     "between one library's back-to-back calls but soon stop spinning on the "
+                     "cores the next one needs (ONNX Runtime's spin for "
+                     f"{ONNXRUNTIME_SPIN_MICROSECONDS} µs), and every sample follows 1 ms of "
+                     "untimed calls; set GOMP_SPINCOUNT or "
+                     "OMP_WAIT_POLICY yourself to measure in this process with your policy "
+                     "(OMP_WAIT_POLICY=passive stops ONNX Runtime's spinning too).")
     parser.add_argument("--ops", type=_choices("--ops", OPS), default=DEFAULT_OPS,
                         help="operations to time, comma-separated (default: forward,backward, "
                              "about two minutes). LayerNorm: forward, backward. The "
@@ -229,8 +244,9 @@ def _wait_policy_is_set():
 
 
 def _run_in_child(argv):
-    """Run `fastln <argv>` in a fresh process whose OpenMP runtimes sleep when idle."""
-    environment = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **{CHILD_ENVIRONMENT: "1"})
+    """Run `fastln <argv>` in a fresh process whose idle OpenMP workers spin only briefly."""
+    environment = dict(os.environ, GOMP_SPINCOUNT=str(GOMP_SPIN_COUNT),
+                       **{CHILD_ENVIRONMENT: "1"})
     # stderr (progress bar, warnings) goes straight through; stdout is relayed so that the
     # table lands wherever this process's stdout points.
     try:

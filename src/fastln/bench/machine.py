@@ -150,6 +150,27 @@ def describe_machine(peer_versions=None):
     }
 
 
+def busy_cpu_seconds():
+    """(CPU seconds every process has used, CPU seconds this process has used) so far, or None
+    where /proc/stat is not there. The difference of two readings over the wall time between
+    them is how many CPUs other processes kept busy meanwhile."""
+    text = _read("/proc/stat")
+    if not text or not text.startswith("cpu "):
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+    ticks = [int(value) for value in text.split("\n", 1)[0].split()[1:9]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy, own.user + own.system
+
+
+def other_processes_cpus(start, end, seconds):
+    """CPUs kept busy by other processes between two busy_cpu_seconds() readings."""
+    if start is None or end is None or seconds <= 0:
+        return None
+    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / seconds)
+
+
 def summary_line(machine):
     """One line for the table header: CPU, cores, instruction sets."""
     isa = " ".join(name for name in ("avx2", "avx512f", "asimd", "sve")

@@ -114,17 +114,37 @@ def header_lines(report):
     rounds = settings["rounds"]
     rounds_text = (f"{rounds} rounds" if isinstance(rounds, int)
                    else f"{rounds[0]}-{rounds[1]} rounds")
-    wait_policy = described["thread_environment"].get("OMP_WAIT_POLICY")
-    if wait_policy:
-        software.append(f"OMP_WAIT_POLICY={wait_policy}")
+    software += wait_policy(report)
+    warmup = (f", each after {settings['warmup_seconds'] * 1e3:g} ms of untimed calls (none "
+              f"for calls over {settings['warmup_max_call_seconds'] * 1e3:g} ms)"
+              if settings.get("warmup_seconds") else "")
+    others = report.get("other_processes_cpus")
+    others = (f", other processes busy on {others:.2f} CPUs meanwhile" if others is not None
+              else "")
     return [
         f"machine: {summary_line(described)}",
         f"software: {', '.join(software)}",
         _copy_line(report),
         f"command: {report['command'] or '(called from Python)'}",
-        f"run: {report['started_at']}, {report['duration_seconds']:.0f} s, {rounds_text} of "
-        f"samples >= {settings['min_sample_seconds'] * 1e3:g} ms per case",
+        f"run: {report['started_at']}, {report['duration_seconds']:.0f} s{others}, "
+        f"{rounds_text} of samples >= {settings['min_sample_seconds'] * 1e3:g} ms per "
+        f"case{warmup}",
     ]
+
+
+def wait_policy(report):
+    """How idle worker threads waited: the OpenMP variables set, ONNX Runtime's spinning."""
+    environment = report["machine"]["thread_environment"]
+    parts = [f"{name}={environment[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+             if name in environment]
+    onnxruntime = report["settings"].get("onnxruntime_session_config")
+    if onnxruntime:
+        if onnxruntime.get("session.intra_op.allow_spinning") == "0":
+            parts.append("onnxruntime spinning off")
+        else:
+            parts.append(f"onnxruntime spin "
+                         f"{onnxruntime.get('session.intra_op.spin_duration_us', '?')} µs")
+    return parts
 
 
 def problem_lines(report):

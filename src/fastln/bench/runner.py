@@ -6,7 +6,8 @@ are measured together, as one group: each threaded implementation once per threa
   1. prepares every contestant (buffers, sessions: untimed),
   2. warms each one up with one call and checks its result against fastln's first rows,
   3. calibrates how many calls make a sample of at least `min_sample_seconds`,
-  4. takes interleaved rounds of samples (fastln.bench.timing) and summarizes them,
+  4. takes interleaved rounds of samples, each after a millisecond of untimed calls
+     (fastln.bench.timing), and summarizes them,
 and reports time, effective bandwidth, the fraction of the machine's copy bandwidth at the same
 thread count and fastln's speed-up against every other implementation, paired round by round
 with fastln at the same thread count.
@@ -21,7 +22,7 @@ import numpy as np
 
 from fastln.bench import bandwidth, machine, peers, timing
 from fastln.bench.ops import OPERATIONS, compare_results
-from fastln.bench.ops.base import check_rows
+from fastln.bench.ops.base import check_rows, onnxruntime_spinning
 from fastln.bench.progress import Progress
 
 SCHEMA = "fastln-bench/1"
@@ -55,6 +56,8 @@ class BenchConfig:
             "peers": list(self.peers),
             "out_buffer": self.out_buffer,
             "min_sample_seconds": self.schedule.min_sample_seconds,
+            "warmup_seconds": self.schedule.warmup_seconds,
+            "warmup_max_call_seconds": self.schedule.warmup_max_call_seconds,
             "rounds": (self.schedule.fixed_rounds if self.schedule.fixed_rounds is not None
                        else [min(self.schedule.min_rounds, self.schedule.slow_min_rounds),
                              self.schedule.max_rounds]),
@@ -128,7 +131,7 @@ def _prepare_and_check(implementation, threads, inputs, dtype, config, reference
 def measure_group(operation, inputs, shape, dtype, config, copy_results):
     """Records (dicts) for every selected implementation and thread count of one
     (operation, shape, dtype), in table order: by thread count, then implementation."""
-    prepared_calls, measured, failures = [], [], {}
+    prepared_calls, measured, warmups, failures = [], [], [], {}
     reference, round_seconds = None, 0.0
     for implementation, threads in _contestants(operation, config):
         try:
@@ -139,6 +142,7 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
             continue
         prepared_calls.append(prepared)
         measured.append((implementation, threads, n_calls))
+        warmups.append(config.schedule.warmup_for(seconds_per_call))
         round_seconds += n_calls * seconds_per_call
 
     # More contestants, more time: the budget is per thread count.
@@ -147,7 +151,7 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
     samples = timing.interleaved_samples(
         [prepared.call for prepared in prepared_calls],
         [n_calls for _, _, n_calls in measured], rounds,
-        before_sample=[prepared.before_sample for prepared in prepared_calls])
+        before_sample=[prepared.before_sample for prepared in prepared_calls], warmup=warmups)
     by_contestant = {(implementation.name, threads): (prepared, n_calls, contestant_samples)
                      for (implementation, threads, n_calls), prepared, contestant_samples
                      in zip(measured, prepared_calls, samples)}
@@ -200,6 +204,7 @@ def run_benchmark(config, command_line=None, log=sys.stderr):
     """Run every case of `config`; returns the report (a JSON-ready dict)."""
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     wall_start = time.perf_counter()
+    cpu_start = machine.busy_cpu_seconds()
     description = machine.describe_machine(peers.peer_versions(config.peers))
 
     load = description["load_average"]
@@ -238,12 +243,24 @@ def run_benchmark(config, command_line=None, log=sys.stderr):
                 gc.collect()  # give the big arrays back before the next group
             progress.update()
 
+    duration = time.perf_counter() - wall_start
+    # Multi-threaded timings wait for the cores other processes take: say how many they took.
+    others = machine.other_processes_cpus(cpu_start, machine.busy_cpu_seconds(), duration)
+    if others is not None and others > 0.1 * description["usable_cpus"]:
+        print(f"fastln bench: warning: other processes kept {others:.2f} of "
+              f"{description['usable_cpus']} CPUs busy during the run; multi-threaded "
+              "timings waited for them", file=log, flush=True)
+    settings = config.as_dict()
+    if "onnxruntime" in config.peers:
+        # How its idle workers waited (libgomp's setting is in machine.thread_environment).
+        settings["onnxruntime_session_config"] = onnxruntime_spinning()
     return {
         "schema": SCHEMA,
         "command": command_line,
         "started_at": started_at,
-        "duration_seconds": time.perf_counter() - wall_start,
-        "settings": config.as_dict(),
+        "duration_seconds": duration,
+        "other_processes_cpus": others,
+        "settings": settings,
         "machine": description,
         "copy_bandwidth": copy_results,
         "results": results,

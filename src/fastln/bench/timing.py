@@ -6,6 +6,12 @@ can. Implementations are then measured in rounds, each round taking one sample o
 implementation (A B C, then B C A, ...): a burst of noise on a shared machine hits every
 implementation of the round instead of one of them, and the per-round ratios to fastln pair
 samples taken moments apart.
+
+Before each sample the implementation runs untimed for a millisecond (its warm-up). Thread pools
+spin for a while after a call and then sleep (the bench bounds that spin, see
+fastln.bench.command): the warm-up outlasts the spin of the previous implementation's workers,
+so they no longer compete for the cores, and wakes this implementation's own, so that the sample
+times calls back to back, as a program calling it in a loop would see them.
 """
 import gc
 import math
@@ -24,9 +30,16 @@ class Schedule:
     `max_rounds`; a case whose round takes longer than `slow_round_seconds` (the largest arrays,
     where NumPy alone takes a second) makes do with `slow_min_rounds`, so that the default run
     stays near two minutes. `fixed_rounds` (--repeat) overrides all of it.
+
+    Each sample follows `warmup_seconds` of untimed calls (at least one), except for calls longer
+    than `warmup_max_call_seconds`: waking a pool or sharing a core with another pool's last
+    half-millisecond of spinning is then under 2% of one call, and an extra call would make the
+    largest cases last twice as long.
     """
 
     min_sample_seconds: float = 0.002
+    warmup_seconds: float = 0.001
+    warmup_max_call_seconds: float = 0.02
     min_rounds: int = 5
     max_rounds: int = 25
     case_budget_seconds: float = 0.6
@@ -41,6 +54,10 @@ class Schedule:
         fewest = self.slow_min_rounds if slow else self.min_rounds
         affordable = math.floor(self.case_budget_seconds / max(round_seconds, 1e-9) + 1e-9)
         return max(fewest, min(self.max_rounds, affordable))
+
+    def warmup_for(self, seconds_per_call):
+        """Seconds of untimed calls before each sample of a call that takes seconds_per_call."""
+        return 0.0 if seconds_per_call > self.warmup_max_call_seconds else self.warmup_seconds
 
 
 def time_calls(call, n_calls):
@@ -69,15 +86,26 @@ def calibrate(call, first_call_seconds, min_sample_seconds):
     return max(1, math.ceil(min_sample_seconds / max(seconds_per_call, 1e-9))), seconds_per_call
 
 
-def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None):
+def warm_up(call, seconds):
+    """Run call untimed for at least `seconds` (at least once when seconds > 0)."""
+    if seconds <= 0:
+        return
+    end = time.perf_counter() + seconds
+    call()
+    while time.perf_counter() < end:
+        call()
+
+
+def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, warmup=None):
     """samples[i][r]: seconds per call of calls[i] in round r; round r starts at call r % n.
 
-    before_sample[i], if not None, runs untimed before each sample of calls[i]. The garbage
-    collector is paused while timing, as timeit does: a collection would land on whichever
-    implementation happened to be running.
+    before_sample[i], if not None, runs untimed before each sample of calls[i], and then calls[i]
+    itself for warmup[i] seconds (see warm_up). The garbage collector is paused while timing, as
+    timeit does: a collection would land on whichever implementation happened to be running.
     """
     n = len(calls)
     before_sample = before_sample or [None] * n
+    warmup = warmup or [0.0] * n
     samples: List[List[float]] = [[] for _ in range(n)]
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -87,6 +115,7 @@ def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None):
                 i = (round_index + offset) % n
                 if before_sample[i] is not None:
                     before_sample[i]()
+                warm_up(calls[i], warmup[i])
                 samples[i].append(time_calls(calls[i], calls_per_sample[i]))
     finally:
         if gc_was_enabled:

@@ -7,6 +7,7 @@ operation means writing one module like ``fastln.bench.ops.layer_norm`` (``rms_n
 ``fastln.bench.ops``. The helpers at the end (outputs, threads, rows, torch's thread count, ONNX
 Runtime sessions) are shared by those modules, so that every operation is measured alike.
 """
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
@@ -171,13 +172,39 @@ def onnx_element_type(dtype):
 
 _onnx_sessions: Dict[object, object] = {}
 
+# How long ONNX Runtime's idle intra-op workers spin before they sleep: about as long as libgomp's
+# under the bench's GOMP_SPINCOUNT (fastln.bench.command), so that every library keeps its
+# workers awake between back-to-back calls and lets the cores go soon after its last one.
+ONNXRUNTIME_SPIN_MICROSECONDS = 200
+# session.intra_op.spin_duration_us came with microsoft/onnxruntime#27916 (March 2026) and is
+# listed among the new keys of 1.27; an older release would ignore it and spin for tens of
+# milliseconds after every run, so there the workers do not spin at all.
+ONNXRUNTIME_SPIN_DURATION_VERSION = (1, 27)
+
+
+def onnxruntime_spinning():
+    """The session config entries for how ONNX Runtime's idle workers wait, as {key: value}.
+
+    With OMP_WAIT_POLICY=passive (the user's choice: idle OpenMP workers sleep at once) ONNX
+    Runtime's sleep at once too; otherwise they spin for ONNXRUNTIME_SPIN_MICROSECONDS.
+    """
+    import onnxruntime
+
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+    version = tuple(int(part) if part.isdigit() else 0
+                    for part in onnxruntime.__version__.split(".")[:2])
+    if passive or version < ONNXRUNTIME_SPIN_DURATION_VERSION:
+        return {"session.intra_op.allow_spinning": "0"}
+    return {"session.intra_op.allow_spinning": "1",
+            "session.intra_op.spin_duration_us": str(ONNXRUNTIME_SPIN_MICROSECONDS)}
+
 
 def onnxruntime_session(key, build_model, num_threads):
     """A CPU InferenceSession for the model build_model() returns, cached by (key, num_threads).
 
     Every ONNX Runtime implementation runs with these options, so that they are measured alike:
     intra_op_num_threads as for the other libraries, one inter-op thread, sequential execution,
-    and workers that sleep instead of spinning when idle.
+    and idle workers that spin only briefly (onnxruntime_spinning).
     """
     cache_key = (key, num_threads)
     if cache_key in _onnx_sessions:
@@ -192,10 +219,11 @@ def onnxruntime_session(key, build_model, num_threads):
     options.inter_op_num_threads = 1
     options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
-    # ONNX Runtime's idle workers spin, waiting for the next run: measured interleaved, they
-    # would take the cores away from whichever implementation runs next. fastln's and torch's
-    # OpenMP workers spin only briefly before they sleep; let ONNX Runtime's sleep too.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # By default ONNX Runtime's idle workers spin for tens of milliseconds after every run:
+    # measured interleaved, they would take the cores away from whichever implementation runs
+    # next.
+    for key, value in onnxruntime_spinning().items():
+        options.add_session_config_entry(key, value)
     session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
     _onnx_sessions[cache_key] = session
