@@ -25,11 +25,13 @@ from fastln._fastpath cimport (
     _is_cache_dtype,
     _is_param,
     _is_row_stats,
+    _new_column_sums,
+    _new_like,
+    _new_row_stats,
     _overlaps,
     _same_shape,
 )
 from fastln._openmp cimport fastln_watch_for_fork
-from fastln._output_cache cimport new_output
 
 cnp.import_array()
 # The forked-child flag of fastln/openmp_compat.h is static, one per extension module: the fast
@@ -463,16 +465,6 @@ cdef void _run_add_norm(cnp.ndarray x, cnp.ndarray residual, object bias, object
 # ---------------------------------------------------------------------------------------------
 
 
-cdef inline object _empty_like_x(cnp.ndarray x, int ndim, int typenum):
-    """An output of x's shape and dtype (from the output cache when it is large)."""
-    return new_output(ndim, cnp.PyArray_DIMS(x), typenum, cnp.PyArray_NBYTES(x))
-
-
-cdef inline object _empty_row_stats(cnp.ndarray x, int ndim, int typenum):
-    """A per-row statistic of x: shape x.shape[:-1]."""
-    return cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x), typenum, 0)
-
-
 def rms_norm_forward_fast(object x, object gamma, object eps, object axis, object out,
                           object num_threads, bint keep_cache):
     """y, or (y, rstd) with keep_cache; None when the call needs the general path."""
@@ -490,8 +482,8 @@ def rms_norm_forward_fast(object x, object gamma, object eps, object axis, objec
     if _overlaps(out, gamma) or _clobbers(out, x) or (keep_cache and _overlaps(out, x)):
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else _empty_like_x(x_array, ndim, typenum)
-    rstd = _empty_row_stats(x_array, ndim, typenum) if keep_cache else None
+    y = out if out is not None else _new_like(x_array, typenum)
+    rstd = _new_row_stats(x_array, typenum) if keep_cache else None
     _run_rms_forward(x_array, gamma, <cnp.ndarray>y, rstd, n_rows, n_cols, <double>eps, threads)
     if keep_cache:
         return y, rstd
@@ -523,8 +515,8 @@ def rms_norm_backward_fast(object dy, object x, object rstd, object axis, object
             or _clobbers(out, x)):
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    dx = out if out is not None else _empty_like_x(x_array, ndim, typenum)
-    dgamma = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
+    dx = out if out is not None else _new_like(x_array, typenum)
+    dgamma = _new_column_sums(x_array, typenum)
     _run_rms_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>rstd, <cnp.ndarray>dx,
                       <cnp.ndarray>dgamma, n_rows, n_cols, <double>eps, threads)
     return dx, dgamma
@@ -564,13 +556,13 @@ def add_norm_forward_fast(bint rms, object x, object residual, object gamma, obj
             or not _is_safe_add_output(sum_out, x, residual, bias, gamma, beta)):
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else _empty_like_x(x_array, ndim, typenum)
-    s = sum_out if sum_out is not None else _empty_like_x(x_array, ndim, typenum)
+    y = out if out is not None else _new_like(x_array, typenum)
+    s = sum_out if sum_out is not None else _new_like(x_array, typenum)
     mean = rstd = None
     if keep_cache:
-        rstd = _empty_row_stats(x_array, ndim, typenum)
+        rstd = _new_row_stats(x_array, typenum)
         if not rms:
-            mean = _empty_row_stats(x_array, ndim, typenum)
+            mean = _new_row_stats(x_array, typenum)
     _run_add_norm(x_array, <cnp.ndarray>residual, bias, gamma, beta, <cnp.ndarray>s,
                   <cnp.ndarray>y, mean, rstd, rms, n_rows, n_cols, <double>eps, threads)
     if keep_cache:

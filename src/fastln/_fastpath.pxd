@@ -1,11 +1,13 @@
 # The C-level argument checks of the fast paths (see layer_norm_forward_fast in _kernels.pyx).
 # Each answers "is this the common, already-valid case?"; a False sends the call to the general
-# Python path, which does the full checking and raises the errors.
+# Python path, which does the full checking and raises the errors. At the end, the fast paths'
+# output allocations.
 from libc.math cimport INFINITY
 
 cimport numpy as cnp
 
 from fastln._openmp cimport fastln_openmp_max_threads, fastln_thread_cap
+from fastln._output_cache cimport new_output
 
 
 cdef inline bint _is_kernel_array(object value, int typenum):
@@ -62,15 +64,18 @@ cdef inline bint _clobbers(object out, object source):
             or cnp.PyArray_NBYTES(<cnp.ndarray>out) != cnp.PyArray_NBYTES(<cnp.ndarray>source))
 
 
-cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
-    cdef int ndim = cnp.PyArray_NDIM(a)
+cdef inline bint _same_leading_dims(cnp.ndarray a, cnp.ndarray b, int ndim):
+    """a's first ndim dimensions equal b's."""
     cdef int axis
-    if cnp.PyArray_NDIM(b) != ndim:
-        return False
     for axis in range(ndim):
         if cnp.PyArray_DIM(a, axis) != cnp.PyArray_DIM(b, axis):
             return False
     return True
+
+
+cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
+    cdef int ndim = cnp.PyArray_NDIM(a)
+    return cnp.PyArray_NDIM(b) == ndim and _same_leading_dims(a, b, ndim)
 
 
 cdef inline int _fast_num_threads(object num_threads):
@@ -101,13 +106,7 @@ cdef inline bint _is_row_stats(object value, int typenum, cnp.ndarray x):
         return False
     cdef cnp.ndarray stats = <cnp.ndarray>value
     cdef int ndim = cnp.PyArray_NDIM(x) - 1
-    cdef int axis
-    if cnp.PyArray_NDIM(stats) != ndim:
-        return False
-    for axis in range(ndim):
-        if cnp.PyArray_DIM(stats, axis) != cnp.PyArray_DIM(x, axis):
-            return False
-    return True
+    return cnp.PyArray_NDIM(stats) == ndim and _same_leading_dims(stats, x, ndim)
 
 
 cdef inline bint _is_cache_dtype(object dtype, cnp.ndarray x):
@@ -117,3 +116,18 @@ cdef inline bint _is_cache_dtype(object dtype, cnp.ndarray x):
         return True
     return (cnp.PyArray_DescrCheck(dtype)
             and cnp.PyArray_EquivTypes(<cnp.dtype>dtype, <cnp.dtype>cnp.PyArray_DESCR(x)))
+
+
+cdef inline object _new_like(cnp.ndarray x, int typenum):
+    """An output of x's shape (from the output cache when it is large)."""
+    return new_output(cnp.PyArray_NDIM(x), cnp.PyArray_DIMS(x), typenum, cnp.PyArray_NBYTES(x))
+
+
+cdef inline object _new_row_stats(cnp.ndarray x, int typenum):
+    """A per-row statistic (mean, rstd) of x normalized over its last axis: x.shape[:-1]."""
+    return cnp.PyArray_EMPTY(cnp.PyArray_NDIM(x) - 1, cnp.PyArray_DIMS(x), typenum, 0)
+
+
+cdef inline object _new_column_sums(cnp.ndarray x, int typenum):
+    """A parameter gradient (dgamma, dbeta) of x normalized over its last axis: x.shape[-1:]."""
+    return cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x) + cnp.PyArray_NDIM(x) - 1, typenum, 0)

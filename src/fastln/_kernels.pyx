@@ -22,6 +22,9 @@ from fastln._fastpath cimport (
     _is_cache_dtype,
     _is_param,
     _is_row_stats,
+    _new_column_sums,
+    _new_like,
+    _new_row_stats,
     _overlaps,
     _same_shape,
 )
@@ -31,7 +34,6 @@ from fastln._openmp cimport (
     fastln_thread_cap,
     fastln_watch_for_fork,
 )
-from fastln._output_cache cimport new_output
 
 cnp.import_array()
 fastln_watch_for_fork()  # forked children run serially: see fastln/openmp_compat.h
@@ -124,12 +126,11 @@ def layer_norm_forward_fast(object x, object gamma, object beta, object eps, obj
             or (keep_cache and _overlaps(out, x))):
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else new_output(ndim, cnp.PyArray_DIMS(x_array), typenum,
-                                               cnp.PyArray_NBYTES(x_array))
+    y = out if out is not None else _new_like(x_array, typenum)
     mean = rstd = None
     if keep_cache:
-        mean = cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x_array), typenum, 0)
-        rstd = cnp.PyArray_EMPTY(ndim - 1, cnp.PyArray_DIMS(x_array), typenum, 0)
+        mean = _new_row_stats(x_array, typenum)
+        rstd = _new_row_stats(x_array, typenum)
     _run_forward(x_array, gamma, beta, <cnp.ndarray>y, mean, rstd, n_rows, n_cols, <double>eps,
                  threads)
     if keep_cache:
@@ -311,10 +312,9 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
             or _clobbers(out, dy) or _clobbers(out, x)):
         return None
     cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    dx = out if out is not None else new_output(ndim, cnp.PyArray_DIMS(x_array), typenum,
-                                                cnp.PyArray_NBYTES(x_array))
-    dgamma = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
-    dbeta = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x_array) + ndim - 1, typenum, 0)
+    dx = out if out is not None else _new_like(x_array, typenum)
+    dgamma = _new_column_sums(x_array, typenum)
+    dbeta = _new_column_sums(x_array, typenum)
     _run_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
                   <cnp.ndarray>dx, <cnp.ndarray>dgamma, <cnp.ndarray>dbeta, n_rows, n_cols,
                   <double>eps, threads)
