@@ -1289,6 +1289,38 @@ def test_layer_norm_backward_float64_huge_x_and_huge_dy():
     assert_agrees(dgamma, dgamma_expected, 1e-11 * np.abs(dgamma_expected).max(), "dgamma")
 
 
+DBL_MAX = float(np.finfo(np.float64).max)
+# Values near DBL_MAX: some x - x[0], or the sum of them, is beyond float64 in every row;
+# x - mean in none.
+WIDE_ROWS = np.array([[0.6 * DBL_MAX, -0.6 * DBL_MAX, 1.0, 2.0, 3.0, 4.0],
+                      [DBL_MAX, 1e300, -1e300, 5.0, 6.0, 7.0],
+                      [0.0, -DBL_MAX, 0.0, 1e6, -DBL_MAX, 3.0]])
+
+
+def test_layer_norm_float64_values_whose_sums_around_the_first_overflow():
+    """LayerNorm sums each row's deviations from x[0] first (to keep |mean| >> std accurate),
+    and those overflowed for these rows: y was NaN. Every x - mean fits in float64 here, and y
+    is finite: the reference on the rows times 2**-524 (where nothing overflows)."""
+    scale = 2.0 ** -524
+    eps = 1e-5
+    expected = ref.layer_norm(WIDE_ROWS * scale, eps=eps * scale ** 2)
+    assert np.all(np.isfinite(expected))
+    assert_agrees(fastln.layer_norm(WIDE_ROWS, eps=eps), expected, 1e-11, "layer_norm")
+    y, cache = fastln.layer_norm_forward(WIDE_ROWS, eps=eps)
+    assert_agrees(y, expected, 1e-11, "layer_norm_forward")
+    expected_cache = ref.layer_norm_forward(WIDE_ROWS * scale, eps=eps * scale ** 2)[1]
+    assert_agrees(cache.mean, expected_cache.mean / scale, 1e-11 * DBL_MAX, "mean")
+    assert_agrees(cache.rstd, expected_cache.rstd * scale,
+                  1e-11 * expected_cache.rstd * scale, "rstd")
+    y, _ = fastln.add_layer_norm(WIDE_ROWS, np.zeros_like(WIDE_ROWS), eps=eps)
+    assert_agrees(y, expected, 1e-11, "add_layer_norm")
+    dy = np.array([[1.0, -2.0, 0.5, 3.0, 0.25, -1.0], [0.5, 1.0, -1.0, 2.0, 1.5, 0.0],
+                   [1e-3, 2.0, -3.0, 0.5, -1.0, 1.0]])
+    dx_expected = ref.layer_norm_backward(dy, expected_cache)[0] * scale
+    dx = fastln.layer_norm_backward(dy, cache)[0]
+    assert_agrees(dx, dx_expected, 1e-11 * np.abs(dx_expected).max(axis=1, keepdims=True), "dx")
+
+
 def test_batch_norm_float64_huge_values_do_not_overflow():
     """The same down a feature: BatchNorm's float64 sums of squares would overflow too (it
     rescales such features; tests/test_batch_norm.py has the thorough cases)."""
@@ -1480,6 +1512,31 @@ def test_rms_norm_backward_float64_huge_x_and_huge_dy():
     assert_agrees(dx, dx_expected, 1e-11 * np.abs(dx_expected).max(), "dx")
     assert_agrees(dgamma, dgamma_expected * 2.0 ** 500,
                   1e-11 * np.abs(dgamma_expected).max() * 2.0 ** 500, "dgamma")
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-300])
+def test_layer_norm_backward_tiny_dy_on_a_tiny_spread(eps):
+    """float64 x ~ 1e-150 (its squares are fine) and dy ~ 1e-310: dx ~ rstd * dy ~ 1e-160. The
+    backward summed dy * (x - mean) ~ 1e-460 before rstd scales it up: the products underflowed
+    to 0 and dx was up to 20% off. Expected: the reference on dy * 2**1030 (the backward is
+    linear in dy), dx scaled back."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 64)) * 1e-150
+    dy = rng.standard_normal((3, 64)) * 1e-310
+    dy[1] *= 2.0 ** 100  # products ~1e-430: still below double's range
+    dy[2] = 0.0          # all zero: dx = 0
+    gamma = 0.5 + rng.random(64)
+    up = np.array([1030, 930, 0])[:, None]
+    expected = ref.layer_norm_backward(np.ldexp(dy, up), ref.layer_norm_forward(x, eps=eps)[1],
+                                       gamma)
+    dx_expected = np.ldexp(expected[0], -up)
+    dx, dgamma, dbeta = fastln.layer_norm_backward(dy, fastln.layer_norm_forward(x, eps=eps)[1],
+                                                   gamma)
+    assert np.all(dx[2] == 0.0)
+    assert_agrees(dx, dx_expected, 1e-12 * np.abs(dx_expected).max(axis=1, keepdims=True), "dx")
+    dgamma_expected = ref.layer_norm_backward(dy, ref.layer_norm_forward(x, eps=eps)[1], gamma)[1]
+    assert_agrees(dgamma, dgamma_expected, 1e-12 * np.abs(dgamma_expected).max() + 1e-320,
+                  "dgamma")
 
 
 def test_float32_backward_when_dy_times_gamma_overflows_float32():
