@@ -29,14 +29,21 @@ Tolerances, per row (per feature for BatchNorm), by what each result is made of:
   only good to about ``u64 * kappa`` with ``kappa = (max|x| + |mean|) * rstd`` (how many
   standard deviations the values sit from 0; the same allowance as in test_properties.py).
 - float64 values beyond ~1e150 overflow the reference's float64 sums of squares, and values
-  below ~1e-150 underflow them. Every function is exactly invariant under scaling x (and
-  residual, bias, running_mean) by a power of two c with eps (and running_var) scaled by
-  c**2: the expected results for such calls are the reference's on the scaled arguments,
-  scaled back (y and the parameter gradients unchanged; s, mean and running_mean divided by
-  c, running_var by c**2; rstd and dx multiplied by c; a huge dy is brought down too). That
-  is the reference's arithmetic, without its overflow.
+  below ~1e-150 underflow them. Every function is exactly invariant under scaling one group
+  (a row; a feature of BatchNorm) by a power of two c with eps scaled by c**2 (and residual
+  and bias by c), and the backward is linear in dy: each group's expected results are the
+  reference's on its arguments so scaled, scaled back and rounded once (y unchanged; mean and
+  the batch statistics divided by c, the variance by c**2; rstd and dx multiplied by c; dy
+  scaled per group too). One expected call per scale; a call with groups of both extremes
+  gets one per extreme (expected_results has the rules). That is the reference's
+  arithmetic, without its overflow and underflow. Nothing is scaled for float32 and the
+  half formats (their squares fit in double) nor in BatchNorm's evaluation mode (no squares).
 - Constant groups whose eps is below their rounding noise are left out (see
   degenerate_groups); explicit tests below hold fastln to the exact answer there.
+- Out of scope, and left out: groups in which some x - mean is beyond float64 (values of both
+  signs near DBL_MAX; only ``object`` values given as a nested list bring them here, since
+  typed_values turns their infinities into +-DBL_MAX). Both implementations centre in
+  float64, where such a deviation is not a number (see deviations_beyond_float64).
 
 Run more examples with ``HYPOTHESIS_PROFILE=thorough`` (2000 per function) or
 ``FASTLN_HOSTILE_EXAMPLES=N``; see tools/README.md.
@@ -408,12 +415,21 @@ def norm_axis(axis, ndim):
     return index % ndim if -ndim <= index < ndim else None
 
 
-def x_like(case, key, rng, shape, dtype_name, scale):
+@dataclass(frozen=True)
+class Scaling:
+    """How an expected call scales the drawn arguments, exactly (powers of two; see
+    expected_results). None in the builders: the call as drawn."""
+    exponent: int = 0          # x, residual, bias times c = 2**exponent; eps times c**2
+    keep: object = None        # backward: per group (broadcasting against x), False -> zeros
+    dy_exponents: object = 0   # backward: dy times 2**dy_exponents (per group, broadcasting)
+
+
+def x_like(case, key, rng, shape, dtype_name, scaling=None):
     values = typed_values(rng, shape, case[key + "_kind"], dtype_name)
-    if scale != 1.0 and values.dtype.kind in "biufO":
+    if scaling is not None and scaling.exponent and values.dtype.kind in "biufO":
         # only for float64 results (an object array reaches one as a nested list): the values
         # as the computation sees them, then scaled
-        values = values.astype(np.float64) * scale
+        values = values.astype(np.float64) * 2.0 ** scaling.exponent
     return values
 
 
@@ -427,10 +443,10 @@ def protect(call):
     return call
 
 
-def build_x_and_out(case, rng, scale, out_key="out"):
+def build_x_and_out(case, rng, scaling, out_key="out"):
     """x in its layout, and `out` (which may be x itself or overlap it)."""
     shape, dtype_name = case["shape"], case["dtype"]
-    values = x_like(case, "x", rng, shape, dtype_name, scale)
+    values = x_like(case, "x", rng, shape, dtype_name, scaling)
     mode = case[out_key]
     dtype = result_dtype(dtype_name, case["func"])
     if mode == "overlap_x":
@@ -445,17 +461,17 @@ def build_x_and_out(case, rng, scale, out_key="out"):
     return x, out
 
 
-def scaled_eps(eps, scale):
-    """eps * scale**2 for the expected call (a float64; scale**2 alone may not be a float)."""
-    if scale == 1.0 or isinstance(eps, (bool, str)) or eps is None:
+def scaled_eps(eps, scaling):
+    """eps * c**2 for an expected call, rounded once (c**2 alone may not be a float)."""
+    if scaling is None or not scaling.exponent:
         return eps
-    return float(eps) * scale * scale
+    return math.ldexp(float(eps), 2 * scaling.exponent)
 
 
-def build_row_norm(case, scale=1.0, drop_out=False):
+def build_row_norm(case, scaling=None, drop_out=False):
     """layer_norm / layer_norm_forward / rms_norm / rms_norm_forward."""
     rng = np.random.default_rng(case["seed"])
-    x, out = build_x_and_out(case, rng, scale)
+    x, out = build_x_and_out(case, rng, scaling)
     shape = case["shape"]
     axis = norm_axis(case["axis"], len(shape))
     dtype = result_dtype(case["dtype"], case["func"])
@@ -464,7 +480,7 @@ def build_row_norm(case, scale=1.0, drop_out=False):
     beta = make_param(rng, case["beta"], nshape, dtype, "beta")
     rms = case["func"].startswith("rms")
     args = [x, gamma] if rms else [x, gamma, beta]
-    kwargs = dict(eps=scaled_eps(case["eps"], scale), axis=case["axis"],
+    kwargs = dict(eps=scaled_eps(case["eps"], scaling), axis=case["axis"],
                   num_threads=case["num_threads"])
     outputs = {}
     if out is not None and not drop_out:
@@ -474,10 +490,10 @@ def build_row_norm(case, scale=1.0, drop_out=False):
                         dict(x=x, gamma=gamma, beta=None if rms else beta, axis=axis)))
 
 
-def build_add_norm(case, scale=1.0, drop_out=False):
+def build_add_norm(case, scaling=None, drop_out=False):
     """add_layer_norm(_forward) / add_rms_norm(_forward)."""
     rng = np.random.default_rng(case["seed"])
-    x, out = build_x_and_out(case, rng, scale)
+    x, out = build_x_and_out(case, rng, scaling)
     shape = case["shape"]
     axis = norm_axis(case["axis"], len(shape))
     dtype = result_dtype(case["dtype"], case["func"])
@@ -488,12 +504,12 @@ def build_add_norm(case, scale=1.0, drop_out=False):
     if case["sum_out"] == "alias_residual":  # s written over residual: a usable out
         residual_layout = Layout()
     residual = with_layout(x_like(case, "residual", rng, residual_shape, case["residual_dtype"],
-                                  scale), residual_layout)
+                                  scaling), residual_layout)
     gamma = make_param(rng, case["gamma"], nshape, dtype, "gamma")
     beta = make_param(rng, case["beta"], nshape, dtype, "beta")
     bias = make_param(rng, case["bias"], nshape, dtype, "beta")
-    if scale != 1.0 and bias is not None:
-        bias = np.asarray(bias, np.float64) * scale
+    if scaling is not None and scaling.exponent and bias is not None:
+        bias = np.asarray(bias, np.float64) * 2.0 ** scaling.exponent
     sum_out_mode = case["sum_out"]
     if sum_out_mode == "alias_residual":
         sum_out = residual
@@ -505,7 +521,7 @@ def build_add_norm(case, scale=1.0, drop_out=False):
         sum_out = make_out(rng, sum_out_mode, shape, dtype)
     rms = "rms" in case["func"]
     args = [x, residual, gamma] if rms else [x, residual, gamma, beta]
-    kwargs = dict(eps=scaled_eps(case["eps"], scale), bias=bias, axis=case["axis"],
+    kwargs = dict(eps=scaled_eps(case["eps"], scaling), bias=bias, axis=case["axis"],
                   num_threads=case["num_threads"])
     outputs = {}
     if not drop_out:
@@ -523,9 +539,9 @@ RUNNING = Choices(("none", "float64", "float64", "float32", "swapped", "strided"
 MOMENTA = Choices((0.9, 0.9, 0.0, 1.0, 0.5, 1), (-0.1, 1.5, float("nan"), True, "0.9"))
 
 
-def make_running(rng, mode, n_features, scale=1.0):
-    mean = rng.standard_normal(n_features) * scale
-    var = (0.5 + rng.random(n_features)) * scale * scale
+def make_running(rng, mode, n_features):
+    mean = rng.standard_normal(n_features)
+    var = 0.5 + rng.random(n_features)
     if mode == "none":
         return None, None
     if mode in ("float64", "float32"):
@@ -553,22 +569,27 @@ def make_running(rng, mode, n_features, scale=1.0):
     return mean, -var
 
 
-def build_batch_norm(case, scale=1.0, drop_out=False):
+def build_batch_norm(case, scaling=None, drop_out=False):
     """batch_norm / batch_norm_forward."""
     rng = np.random.default_rng(case["seed"])
-    x, out = build_x_and_out(case, rng, scale)
+    x, out = build_x_and_out(case, rng, scaling)
     shape = case["shape"]
     axis = norm_axis(case["axis"], len(shape))
     dtype = result_dtype(case["dtype"], case["func"])
     n_features = shape[axis] if axis is not None else shape[-1]
     gamma = make_param(rng, case["gamma"], (n_features,), dtype, "gamma")
     beta = make_param(rng, case["beta"], (n_features,), dtype, "beta")
-    running_mean, running_var = make_running(rng, case["running"], n_features)
-    if scale != 1.0 and running_mean is not None:  # the expected call: float64, scaled
-        running_mean = np.asarray(running_mean, np.float64) * scale
-        running_var = np.asarray(running_var, np.float64) * scale * scale
-    kwargs = dict(training=case["training"], momentum=case["momentum"],
-                  eps=scaled_eps(case["eps"], scale), axis=case["axis"],
+    drawn_running = make_running(rng, case["running"], n_features)
+    running_mean, running_var = drawn_running
+    momentum = case["momentum"]
+    if scaling is not None and case["training"]:
+        # An expected call in training mode (evaluation mode is never scaled): y and the cache
+        # do not read the running statistics. Zeros with momentum 0 come back holding the batch
+        # statistics, exactly (0 * 0 + 1 * batch); compare_batch_norm forms the update from them.
+        running_mean, running_var = np.zeros(n_features), np.zeros(n_features)
+        momentum = 0.0
+    kwargs = dict(training=case["training"], momentum=momentum,
+                  eps=scaled_eps(case["eps"], scaling), axis=case["axis"],
                   num_threads=case["num_threads"])
     if running_mean is not None:
         kwargs["running_mean"] = running_mean
@@ -584,7 +605,7 @@ def build_batch_norm(case, scale=1.0, drop_out=False):
         protected += [running_mean, running_var]
     return protect(Call(case["func"], [x, gamma, beta], kwargs, protected, outputs,
                         dict(x=x, gamma=gamma, beta=beta, axis=axis,
-                             running=(running_mean, running_var))))
+                             running=(running_mean, running_var), drawn_running=drawn_running)))
 
 
 FORWARD_OF = {"layer_norm_backward": "layer_norm_forward",
@@ -592,24 +613,27 @@ FORWARD_OF = {"layer_norm_backward": "layer_norm_forward",
               "batch_norm_backward": "batch_norm_forward"}
 
 
-def build_backward(case, scale=1.0, drop_out=False, module=None):
+def build_backward(case, scaling=None, drop_out=False, module=None):
     """A forward (valid arguments, hostile x values and layout) with `module`, then the
     backward's hostile arguments: dy, gamma, out, num_threads."""
     rng = np.random.default_rng(case["seed"])
     shape, dtype_name = case["shape"], case["dtype"]
     dtype = result_dtype(dtype_name, case["func"])
     axis = case["axis"]
-    x = with_layout(x_like(case, "x", rng, shape, dtype_name, scale), case["x_layout"])
+    x_values = x_like(case, "x", rng, shape, dtype_name, scaling)
+    if scaling is not None and scaling.keep is not None:
+        x_values = np.where(scaling.keep, x_values, np.zeros((), x_values.dtype))
+    x = with_layout(x_values, case["x_layout"])
     bn = case["func"] == "batch_norm_backward"
     nshape = (shape[axis],) if bn else shape[axis:]
     gamma = make_param(rng, case["forward_gamma"], nshape, dtype, "gamma")
     beta = make_param(rng, case["forward_gamma"], nshape, dtype, "beta")
-    eps = scaled_eps(case["eps"], scale)
+    eps = scaled_eps(case["eps"], scaling)
     forward = getattr(module, FORWARD_OF[case["func"]])
     running_mean = running_var = None
     with np.errstate(all="ignore"):
-        if bn:
-            running_mean, running_var = make_running(rng, "float64", shape[axis], scale)
+        if bn:  # (never scaled: evaluation mode is not, and training mode does not read them)
+            running_mean, running_var = make_running(rng, "float64", shape[axis])
             _, cache = forward(x, gamma, beta, running_mean, running_var,
                                training=case["training"], eps=eps, axis=axis)
         elif case["func"] == "rms_norm_backward":
@@ -618,14 +642,12 @@ def build_backward(case, scale=1.0, drop_out=False, module=None):
             _, cache = forward(x, gamma, beta, eps, axis=axis)
     dy_shape = {"same": shape, "wrong": shape[:-1] + (shape[-1] + 1,),
                 "flat": (int(np.prod(shape)),)}[case["dy_shape"]]
-    # When the expected call scales x and dy is huge too, dy comes down to about 2**500 as well
-    # (the backward is linear in dy): dy * (x - mean) would overflow in the reference.
     dy_values = typed_values(rng, dy_shape, case["dy_kind"], case["dy_dtype"])
-    dy_exponent = (_largest_exponent(dy_values) if scale != 1.0
-                   and dy_values.dtype.kind in "biufO" else None)
-    dy_scale = 2.0 ** (500 - dy_exponent) if dy_exponent is not None and dy_exponent > 500 else 1.0
-    if dy_scale != 1.0:
-        dy_values = dy_values.astype(np.float64) * dy_scale
+    if scaling is not None and (scaling.keep is not None or np.any(scaling.dy_exponents)):
+        # the backward is linear in dy: exactly scaled, per group (see expected_backward)
+        dy_values = np.ldexp(dy_values.astype(np.float64), scaling.dy_exponents)
+        if scaling.keep is not None:
+            dy_values = np.where(scaling.keep, dy_values, 0.0)
     dy = with_layout(dy_values, case["dy_layout"])
     backward_gamma = gamma if case["backward_gamma"] == "same" else make_param(
         rng, case["backward_gamma"], nshape, dtype, "gamma")
@@ -643,7 +665,7 @@ def build_backward(case, scale=1.0, drop_out=False, module=None):
     return protect(Call(case["func"], [dy, cache, backward_gamma], kwargs,
                         [x, dy, gamma, backward_gamma], outputs,
                         dict(x=x, dy=dy, gamma=backward_gamma, axis=axis, cache=cache,
-                             running=(running_mean, running_var), dy_scale=dy_scale)))
+                             running=(running_mean, running_var))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -757,12 +779,12 @@ BUILDERS = {
 }
 
 
-def build(case, module, scale=1.0, drop_out=False):
+def build(case, module, scaling=None, drop_out=False):
     builder = BUILDERS[case["func"]]
     with np.errstate(all="ignore"):
         if builder is build_backward:
-            return builder(case, scale, drop_out, module=module)
-        return builder(case, scale, drop_out)
+            return builder(case, scaling, drop_out, module=module)
+        return builder(case, scaling, drop_out)
 
 
 def invoke(module, call):
@@ -772,6 +794,56 @@ def invoke(module, call):
             return None, getattr(module, call.func)(*call.args, **call.kwargs)
         except Exception as exc:  # noqa: BLE001 - every exception is judged by the caller
             return exc, None
+
+
+# Expected results: the reference on exactly scaled arguments (see expected_results)
+
+# The reference squares values and sums the squares in float64: for values beyond 2**500 they
+# overflow, below 2**-500 they underflow. Groups out there are scaled into range.
+SQUARES_IN_RANGE = 500
+NO_VALUE = -(10 ** 6)  # the exponent of a group without a finite nonzero value
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The independent groups of a call: its rows (x.shape[axis:] flattened), or BatchNorm's
+    features (the values along every other axis)."""
+    axis: int
+    features: bool
+
+    def view(self, a, dtype=np.float64):
+        """One row per group (2-D)."""
+        if self.features:
+            return feature_columns(a, self.axis, dtype).T
+        return row_view(a, self.axis, dtype)
+
+    def broadcast(self, per_group, shape):
+        """A per-group array, shaped to broadcast against an array of `shape`."""
+        ndim = len(shape)
+        if self.features:
+            target = (1,) * self.axis + (shape[self.axis],) + (1,) * (ndim - self.axis - 1)
+        else:
+            target = tuple(shape[:self.axis]) + (1,) * (ndim - self.axis)
+        return np.asarray(per_group).reshape(target)
+
+
+def group_exponents(views):
+    """Per group, the binary exponent of the largest finite nonzero |value| in any of `views`
+    (2-D, one row per group; frexp's: |value| < 2**exponent), NO_VALUE where there is none."""
+    best = np.full(views[0].shape[0], NO_VALUE)
+    for values in views:
+        with np.errstate(all="ignore"):
+            magnitude = np.abs(values)
+        magnitude = np.where(np.isfinite(magnitude), magnitude, 0.0)
+        largest = np.max(magnitude, axis=1, initial=0.0)
+        best = np.maximum(best, np.where(largest > 0, np.frexp(largest)[1], NO_VALUE))
+    return best
+
+
+def real_values(a):
+    """`a` as a float64 array (a copy), or None when it is not an array of real numbers."""
+    a = np.asarray(a)
+    return a.astype(np.float64) if a.dtype.kind in "biuf" else None
 
 
 def _largest_exponent(values):
@@ -784,34 +856,243 @@ def _largest_exponent(values):
     return math.frexp(float(values.max()))[1] if values.size else None
 
 
-def power_of_two_scale(call):
-    """1, or the power of two c that the expected call scales x by (see the module docstring):
-    float64 values beyond 2**500 come down to about 2**500, where the reference's squares no
-    longer overflow; values below 2**-500, whose squares underflow, come up to about 1 - as far
-    as eps * c**2, running_mean * c, running_var * c**2 and bias * c stay well inside float64."""
-    x = np.asarray(call.info["x"])
-    if result_dtype(x.dtype.name, call.func) != np.float64:
-        return 1.0
-    arrays = [x, call.args[1]] if call.func.startswith("add_") else [x]
-    exponents = [e for e in map(_largest_exponent, arrays) if e is not None]
-    if not exponents:
-        return 1.0
-    exponent = max(exponents)
-    if exponent > 500:
-        return 2.0 ** (500 - exponent)
-    if exponent >= -500:
-        return 1.0
-    k = min(-exponent, 1000)  # 2.0 ** 1024 is not a float
-    eps = call.info["cache"].eps if "cache" in call.info else call.kwargs.get("eps")
-    running_mean, running_var = call.info.get("running", (None, None))
-    for value, power in ((eps, 2), (running_mean, 1), (running_var, 2),
-                         (call.kwargs.get("bias"), 1)):
-        if isinstance(value, (bool, str)):
-            continue
-        e = _largest_exponent(value) if value is not None else None
-        if e is not None:
-            k = min(k, (1000 - e) // power if power == 2 else 500 - e)
-    return 2.0 ** k if k > 0 else 1.0
+def exponent_up(call):
+    """The exponent that brings groups below 2**-500 up: 1000, into [2**-74, 2**500) - as far
+    as eps * c**2 stays below 2**1000 and bias * c below 2**500 (2.0 ** 1024 is not a float)."""
+    backward = call.func in FORWARD_OF
+    eps = call.info["cache"].eps if backward else call.kwargs.get("eps")
+    bias = None if backward else call.kwargs.get("bias")
+    exponent = 1000
+    for value, power in ((eps, 2), (bias, 1)):
+        largest = _largest_exponent(value) if value is not None else None
+        if largest is not None:
+            exponent = min(exponent, (1000 - largest) // 2 if power == 2
+                           else SQUARES_IN_RANGE - largest)
+    return max(exponent, 0)
+
+
+@dataclass
+class Plan:
+    """How the expected results of one call are made (see expected_results)."""
+    groups: Groups
+    exponents: np.ndarray          # per group: x times 2**exponent in its expected call
+    dy: np.ndarray = None          # backward: dy as drawn (float64, read before the call)
+    dy_exponents: np.ndarray = 0   # backward, per group: dy times 2**e in the expected calls
+    dy_exponent: int = 0           # backward: the same for every row (LayerNorm/RMSNorm dgamma)
+
+
+def plan_expected(call):
+    """The Plan of a call, read from its arguments before the call (which may overwrite them);
+    None when they are not arguments the call could accept (it must raise then)."""
+    try:
+        return _plan_expected(call)
+    except (TypeError, ValueError, IndexError):  # e.g. an axis out of range, a wrong shape
+        return None
+
+
+def _plan_expected(call):
+    func = call.func
+    backward = func in FORWARD_OF
+    bn = func.startswith("batch_norm")
+    dtype = result_dtype(np.asarray(call.info["x"]).dtype.name, func)
+    if call.info["axis"] is None or dtype is None:
+        return None
+    x = real_values(call.info["x"])
+    groups = Groups(norm_axis(call.info["axis"], x.ndim), bn)
+    views = [groups.view(x)]
+    n_groups = views[0].shape[0]
+    training = bn and (call.info["cache"].training if backward else call.kwargs.get("training"))
+    # float64 only (float32's squares fit in double), and BatchNorm's evaluation mode squares
+    # nothing: its expected results are the reference's on the arguments as drawn
+    scaled = dtype == np.float64 and (training or not bn)
+    plan = Plan(groups, np.zeros(n_groups, np.int64))
+    if scaled:
+        if func.startswith("add_"):  # the norm is of s = x + residual (+ bias)
+            for other in (call.args[1], call.kwargs.get("bias")):
+                values = real_values(other) if other is not None else np.zeros(())
+                if values is None:
+                    return None
+                try:
+                    views.append(groups.view(np.broadcast_to(values, x.shape)))
+                except ValueError:
+                    return None
+        exponents = group_exponents(views)
+        huge = exponents > SQUARES_IN_RANGE
+        tiny = (exponents < -SQUARES_IN_RANGE) & (exponents != NO_VALUE)
+        if huge.any():  # down to [2**499, 2**500)
+            plan.exponents[huge] = SQUARES_IN_RANGE - exponents[huge].max()
+        if tiny.any():
+            plan.exponents[tiny] = exponent_up(call)
+    if backward:
+        plan.dy = real_values(call.args[0])
+        if plan.dy is None or plan.dy.shape != x.shape:
+            return None
+        plan.dy_exponents = np.zeros(n_groups, np.int64)
+        if scaled:
+            exponents = group_exponents([groups.view(plan.dy)])
+            plan.dy_exponents = np.where(exponents == NO_VALUE, 0, -exponents)
+            largest = exponents.max(initial=NO_VALUE)
+            plan.dy_exponent = SQUARES_IN_RANGE - largest if largest > SQUARES_IN_RANGE else 0
+    return plan
+
+
+@dataclass
+class Expected:
+    """The reference's results for one call, assembled group by group from its expected calls
+    and brought back to the call's own scale."""
+    result: object       # the result of one expected call (types, shapes and dtypes)
+    call: Call           # that call (gamma, beta, running statistics, cache)
+    groups: Groups
+    x: np.ndarray        # one row per group: the values its expected call normalized (scaled)
+    eps: np.ndarray      # per group: the eps of its expected call
+    scale: np.ndarray    # per group: c (the expected call's rstd * c, mean / c are the call's)
+    # name -> float64, one row (or value) per group; "s" (add_*) in x's shape and s's dtype
+    values: dict = field(default_factory=dict)
+
+
+def named_results(func, result):
+    """The results of one call by name: y, s (add_*), cache (*_forward); dx, dgamma, dbeta."""
+    if func in FORWARD_OF:
+        names = ("dx", "dgamma", "dbeta")[:2 if func.startswith("rms") else 3]
+    elif func.startswith("add_"):
+        names = ("y", "s", "cache") if func.endswith("_forward") else ("y", "s")
+    elif func.endswith("_forward"):
+        names = ("y", "cache")
+    else:
+        return {"y": result}
+    assert isinstance(result, tuple) and len(result) == len(names), (type(result), names)
+    return dict(zip(names, result))
+
+
+def run_expected(case, scaling):
+    """(call, result) of one expected call: the reference on the scaled arguments, no out."""
+    call = build(case, ref, scaling, drop_out=True)
+    exc, result = invoke(ref, call)
+    assert exc is None, f"the reference raised {exc!r} in an expected call ({scaling})"
+    return call, result
+
+
+def from_own_call(plan, per_exponent):
+    """One row (or value) per group, each taken from the expected call of its own exponent."""
+    assembled = None
+    for exponent, part in per_exponent.items():
+        part = np.asarray(part, np.float64)
+        if assembled is None:
+            assembled = np.full(part.shape, np.nan)
+        mine = plan.exponents == exponent
+        assembled[mine] = part[mine]
+    return assembled
+
+
+def expected_results(case, plan):
+    """The reference's results, made exactly for values whose squares leave float64.
+
+    Every function is exactly invariant under scaling one group (a row; a feature of BatchNorm)
+    by a power of two c with eps scaled by c**2 (and residual and bias by c): x_hat and y do not
+    change, mean and s are c times the call's, rstd and dx 1/c times, and the backward is linear
+    in dy. So each group gets the reference's results on its values scaled (plan_expected):
+    beyond 2**500 down to 2**500, below 2**-500 up by 2**1000 (as far as eps * c**2 stays
+    finite), else not at all - one expected call per exponent, each group's results taken from
+    its own call and scaled back, rounded once (np.ldexp). That is the reference's arithmetic,
+    without its overflow and underflow. The other groups of an expected call are scaled too
+    and not looked at. Besides:
+    - BatchNorm in evaluation mode is never scaled (the reference squares nothing there).
+    - BatchNorm in training mode: the expected calls pass zeros as running statistics, with
+      momentum 0, and get the batch statistics back exactly (0 * 0 + 1 * batch), each scaled
+      back; compare_batch_norm applies the reference's update to them.
+    - add_*: s is the reference's on the unscaled arguments (a sum overflows only where the
+      true sum does).
+    - The backward (expected_backward) scales dy as well.
+    """
+    if case["func"] in FORWARD_OF:
+        return expected_backward(case, plan)
+    func = case["func"]
+    groups = plan.groups
+    exponents = sorted(set(plan.exponents.tolist()), key=abs) or [0]
+    runs = {k: run_expected(case, Scaling(k)) for k in exponents}
+    named = {k: named_results(func, result) for k, (_, result) in runs.items()}
+    first_call, first_result = runs[exponents[0]]
+
+    def assemble(take):
+        return from_own_call(plan, {k: take(k) for k in runs})
+
+    def normalized(k):  # what the group's norm is of: x, or s = x + residual (+ bias)
+        return named[k]["s"] if "s" in named[k] else runs[k][0].info["x"]
+
+    n_groups = len(plan.exponents)
+    expected = Expected(
+        first_result, first_call, groups,
+        x=assemble(lambda k: groups.view(normalized(k))),
+        eps=assemble(lambda k: np.full(n_groups, float(runs[k][0].kwargs["eps"]))),
+        scale=np.ldexp(1.0, plan.exponents))
+    values = expected.values
+    values["y"] = assemble(lambda k: groups.view(named[k]["y"]))
+    if "cache" in named[exponents[0]]:
+        values["rstd"] = np.ldexp(assemble(lambda k: named[k]["cache"].rstd.reshape(-1)),
+                                  plan.exponents)
+        if hasattr(named[exponents[0]]["cache"], "mean"):
+            values["mean"] = np.ldexp(assemble(lambda k: named[k]["cache"].mean.reshape(-1)),
+                                      -plan.exponents)
+    if "s" in named[exponents[0]]:
+        values["s"] = np.asarray((named[0] if 0 in named else named_results(
+            func, run_expected(case, Scaling())[1]))["s"])
+    if func.startswith("batch_norm") and case["training"]:
+        for name, power in (("running_mean", 1), ("running_var", 2)):
+            values["batch_" + name] = np.ldexp(assemble(lambda k: runs[k][0].kwargs[name]),
+                                               -power * plan.exponents)
+    return expected
+
+
+def expected_backward(case, plan):
+    """The backward's expected results (see expected_results): each group in the expected call
+    of its exponent k, its dy scaled by d = 2**j with j from plan.dy_exponents (its largest
+    |dy| to [1/2, 1); float64 only, and not in BatchNorm's evaluation mode, whose x_hat is
+    unbounded). dx' = dx * d / c, so dx = dx' * c / d; BatchNorm's dgamma and dbeta, per
+    feature, are d times the call's.
+    LayerNorm's and RMSNorm's dgamma and dbeta sum over the rows: they come from one more call
+    per exponent with one dy scale for every row (dy beyond 2**500 down to 2**500). When the
+    rows are in several expected calls, each call has the rows of the others zeroed (x and dy:
+    they add exact zeros) and the calls' partial sums are added in float64, two roundings at
+    most - far below atol * sum|dy|."""
+    func = case["func"]
+    groups = plan.groups
+    shape = plan.dy.shape
+    exponents = sorted(set(plan.exponents.tolist()), key=abs) or [0]
+    several = len(exponents) > 1
+    dy_exponents = groups.broadcast(plan.dy_exponents, shape)
+    runs, sum_runs = {}, {}
+    for k in exponents:
+        keep = groups.broadcast(plan.exponents == k, shape) if several else None
+        runs[k] = run_expected(case, Scaling(k, keep, dy_exponents))
+        if not groups.features:
+            same = np.all(plan.dy_exponents == plan.dy_exponent)
+            sum_runs[k] = runs[k] if same else run_expected(
+                case, Scaling(k, keep, plan.dy_exponent))
+    named = {k: named_results(func, result) for k, (_, result) in runs.items()}
+    first_call, first_result = runs[exponents[0]]
+
+    def assemble(take):
+        return from_own_call(plan, {k: take(k) for k in runs})
+
+    n_groups = len(plan.exponents)
+    expected = Expected(
+        first_result, first_call, groups,
+        x=assemble(lambda k: groups.view(runs[k][0].info["x"])),
+        eps=assemble(lambda k: np.full(n_groups, float(runs[k][0].info["cache"].eps))),
+        scale=np.ldexp(1.0, plan.exponents))
+    values = expected.values
+    values["dy"] = groups.view(plan.dy)
+    values["dx"] = np.ldexp(assemble(lambda k: groups.view(named[k]["dx"])),
+                            (plan.exponents - plan.dy_exponents)[:, None])
+    names = ("dgamma", "dbeta")[:len(named[exponents[0]]) - 1]
+    for name in names:
+        if groups.features:
+            values[name] = np.ldexp(assemble(lambda k: named[k][name]), -plan.dy_exponents)
+        else:
+            partial_sums = [np.asarray(named_results(func, result)[name], np.float64).reshape(-1)
+                            for _, result in sum_runs.values()]
+            values[name] = np.ldexp(np.sum(partial_sums, axis=0), -plan.dy_exponent)
+    return expected
 
 
 def short(exc):
@@ -829,7 +1110,7 @@ def check_case(case):
     """The whole contract for one drawn call (see the module docstring)."""
     ref_exc, ref_result = invoke(ref, build(case, ref))
     call = build(case, fastln)
-    scale = power_of_two_scale(call)  # before the call: x may be its out
+    plan = plan_expected(call)  # before the call: x (or dy) may be its out
     inputs = Snapshot(*call.protected)
     outputs = Snapshot(*[o for o in call.outputs.values() if isinstance(o, np.ndarray)])
     exc, result = invoke(fastln, call)
@@ -848,14 +1129,14 @@ def check_case(case):
         return
 
     event("compared with the reference")
-    # The comparisons read the arguments from expected_call (fastln's own may have been
+    assert plan is not None, "a valid call whose arguments the harness could not read"
+    if np.any(plan.exponents):
+        event("compared: some groups rescaled")
+    # The comparisons read the arguments from the expected calls (fastln's own may have been
     # overwritten by an in-place out).
-    expected_call = build(case, ref, scale=scale, drop_out=True)
-    expected_exc, expected = invoke(ref, expected_call)
-    assert expected_exc is None, expected_exc
-    with np.errstate(all="ignore"):  # the tolerances of non-finite results may overflow
-        COMPARE[case["func"].replace("_forward", "")](result, expected, call, expected_call,
-                                                      scale)
+    with np.errstate(all="ignore"):  # scaled back, or the tolerances, may overflow
+        expected = expected_results(case, plan)
+        COMPARE[case["func"].replace("_forward", "")](result, expected, call)
     inputs.assert_unchanged()
 
 
@@ -952,6 +1233,22 @@ def degenerate_groups(groups, eps):
     return constant & np.isfinite(groups[:, 0]) & (eps <= noise) & (groups[:, 0] != 0)
 
 
+def deviations_beyond_float64(groups, scale):
+    """Groups (rows of `groups`, their values times `scale`) of finite values in which some
+    x - mean, taken in float64 on the call's values, overflows: out of scope. fastln and the
+    reference both centre in float64 (fastln returns NaN for such a group, the reference on the
+    unscaled values NaN or garbage), though x_hat itself is finite. RMSNorm does not centre."""
+    if groups.shape[1] == 0:
+        return np.zeros(groups.shape[0], bool)
+    finite = np.all(np.isfinite(groups), axis=1)
+    values = groups / scale[:, None]  # the call's own (exactly: c is a power of two)
+    k = groups.shape[1].bit_length()  # a mean of values / 2**k cannot overflow
+    with np.errstate(all="ignore"):
+        centre = np.ldexp(np.mean(np.ldexp(values, -k), axis=1), k)
+        beyond = np.any(np.isinf(values - centre[:, None]), axis=1)
+    return finite & beyond
+
+
 def param_values(param, n, default):
     if param is None:
         return np.full(n, default)
@@ -965,39 +1262,24 @@ def finite_max(a, axis):
         return np.max(np.where(np.isfinite(a), a, 0.0), axis=axis, initial=0.0)
 
 
-def compare_normalized(y, y_exp, x_groups, kappa, gamma, beta, name="y", ignore=None):
-    """y = gamma * x_hat + beta, group by group (rows of the 2-D views)."""
-    rtol, atol = tolerance(y_exp.dtype)
+def compare_normalized(y, y_exp, dtype, kappa, gamma, beta, name="y", ignore=None):
+    """y = gamma * x_hat + beta, group by group (rows of the 2-D views); y_exp in float64, the
+    tolerance that of `dtype`."""
+    rtol, atol = tolerance(dtype)
     with np.errstate(all="ignore"):
         terms = np.abs(y_exp - beta) + np.abs(beta)  # |gamma * x_hat| + |beta|
     size = finite_max(terms, axis=1)[:, None]
     allowed = (rtol * np.abs(y_exp) + atol * size + 64 * U64 * kappa[:, None] * np.abs(gamma)
-               + floor(y_exp.dtype))
+               + floor(dtype))
     assert_agrees(y, y_exp, allowed, name, ignore)
 
 
-def compare_row_outputs(y, y_exp, call, expected_call, rms):
-    """y against the expected y, row by row (expected_call's x: the possibly rescaled x)."""
-    axis = call.info["axis"]
-    x_rows = row_view(expected_call.info["x"], axis)
-    if x_rows.size == 0:
-        return
-    eps = float(expected_call.kwargs["eps"])
-    _, kappa = group_stats(x_rows, eps, rms)
-    ignore = None if rms else degenerate_groups(x_rows, eps)[:, None]
-    n_cols = x_rows.shape[1]
-    compare_normalized(row_view(y, axis, y.dtype), row_view(y_exp, axis, y_exp.dtype), x_rows,
-                       kappa, param_values(expected_call.info["gamma"], n_cols, 1.0)[None, :],
-                       param_values(expected_call.info["beta"], n_cols, 0.0)[None, :],
-                       ignore=ignore)
-
-
-def compare_stats(actual, desired, kappa, size, name, ignore=None):
-    """cache.mean (size: max |x| of the group) or cache.rstd (size None)."""
-    assert actual.shape == desired.shape and actual.dtype == desired.dtype, (
-        name, actual.shape, desired.shape, actual.dtype, desired.dtype)
-    rtol, atol = tolerance(desired.dtype)
-    desired = np.asarray(desired, np.float64).reshape(-1)
+def compare_stats(actual, like, desired, kappa, size, name, ignore=None):
+    """cache.mean (size: max |x| of the group) or cache.rstd (size None), against `desired`
+    (float64, one value per group), with the shape and dtype of the reference's `like`."""
+    assert actual.shape == like.shape and actual.dtype == like.dtype, (
+        name, actual.shape, like.shape, actual.dtype, like.dtype)
+    rtol, atol = tolerance(like.dtype)
     if size is None:
         allowed = (rtol + 64 * U64 * kappa) * np.abs(desired)
     else:
@@ -1005,163 +1287,168 @@ def compare_stats(actual, desired, kappa, size, name, ignore=None):
     assert_agrees(actual.reshape(-1), desired, allowed + floor(actual.dtype), name, ignore)
 
 
-def compare_row_cache(cache, cache_exp, call, expected_call, scale, rms):
-    assert type(cache) is type(cache_exp)
-    assert cache.axis == cache_exp.axis and cache.shape == cache_exp.shape
-    assert cache.dtype == cache_exp.dtype
-    x_rows = row_view(expected_call.info["x"], call.info["axis"])
-    eps = float(expected_call.kwargs["eps"])
-    _, kappa = group_stats(x_rows, eps, rms)
-    ignore = None if rms else degenerate_groups(x_rows, eps)
-    # back to the unscaled x: rstd times c, mean divided by c
-    compare_stats(cache.rstd, (cache_exp.rstd * scale).astype(cache_exp.rstd.dtype), kappa,
-                  None, "rstd", ignore)
-    if not rms:
-        compare_stats(cache.mean, (cache_exp.mean / scale).astype(cache_exp.mean.dtype), kappa,
-                      finite_max(x_rows, axis=1) / scale, "mean")
-
-
-def compare_row_norm(result, expected, call, expected_call, scale, rms):
-    forward = call.func.endswith("_forward")
-    y, y_exp = (result[0], expected[0]) if forward else (result, expected)
-    check_output(y, y_exp, y_exp.dtype, call.outputs.get("out"))
-    compare_row_outputs(y, y_exp, call, expected_call, rms)
-    if forward:
-        compare_row_cache(result[1], expected[1], call, expected_call, scale, rms)
-
-
-def compare_add_norm(result, expected, call, expected_call, scale):
+def compare_row_norm(result, expected, call):
+    """layer_norm, rms_norm, add_layer_norm, add_rms_norm and their _forward twins."""
     rms = "rms" in call.func
-    y, s = result[:2]
-    y_exp, s_exp = expected[:2]
-    check_output(y, y_exp, y_exp.dtype, call.outputs.get("out"))
-    check_output(s, s_exp, s_exp.dtype, call.outputs.get("sum_out"))
-    # s = x + residual (+ bias), rounded once: within an ulp of the expected sum
-    with np.errstate(all="ignore"):
-        s_desired = np.asarray(s_exp, np.float64) / scale
-        ulp = np.spacing(np.abs(s_desired).astype(s_exp.dtype)).astype(np.float64)
-    assert_agrees(s, s_desired, ulp + floor(s_exp.dtype), "s")
-    # y is the norm of that s (the expected call's s is the "x" of the norm)
-    expected_call.info["x"] = s_exp
-    compare_row_outputs(y, y_exp, call, expected_call, rms)
-    if call.func.endswith("_forward"):
-        cache, cache_exp = result[2], expected[2]
-        assert cache.x is s, "the cache must refer to s"
-        compare_row_cache(cache, cache_exp, call, expected_call, scale, rms)
-
-
-def compare_batch_norm(result, expected, call, expected_call, scale):
-    forward = call.func.endswith("_forward")
-    y, y_exp = (result[0], expected[0]) if forward else (result, expected)
-    check_output(y, y_exp, y_exp.dtype, call.outputs.get("out"))
-    axis = call.info["axis"]
-    columns = feature_columns(expected_call.info["x"], axis).T  # one row per feature
-    training = bool(call.kwargs["training"])
-    eps = float(expected_call.kwargs["eps"])
-    if training or columns.shape[1] == 0:
-        rstd, kappa = group_stats(columns, eps)
-    else:
-        centre = np.asarray(expected_call.kwargs["running_mean"], np.float64)
+    got, base = named_results(call.func, result), named_results(call.func, expected.result)
+    y = got["y"]
+    check_output(y, base["y"], base["y"].dtype, call.outputs.get("out"))
+    if "s" in got:
+        check_output(got["s"], base["s"], base["s"].dtype, call.outputs.get("sum_out"))
+        # s = x + residual (+ bias), rounded once: within an ulp of the reference's sum
+        s_exp = expected.values["s"]
         with np.errstate(all="ignore"):
-            rstd = 1.0 / np.sqrt(np.asarray(expected_call.kwargs["running_var"], np.float64)
+            ulp = np.spacing(np.abs(s_exp)).astype(np.float64)
+        assert_agrees(got["s"], s_exp, ulp + floor(s_exp.dtype), "s")
+    groups, x_rows = expected.groups, expected.x
+    _, kappa = group_stats(x_rows, expected.eps, rms)
+    beyond = (np.zeros(x_rows.shape[0], bool) if rms
+              else deviations_beyond_float64(x_rows, expected.scale))
+    ignore = None if rms else degenerate_groups(x_rows, expected.eps) | beyond
+    if x_rows.size:
+        n_cols = x_rows.shape[1]
+        compare_normalized(groups.view(y, y.dtype), expected.values["y"], base["y"].dtype, kappa,
+                           param_values(expected.call.info["gamma"], n_cols, 1.0)[None, :],
+                           param_values(expected.call.info["beta"], n_cols, 0.0)[None, :],
+                           ignore=None if ignore is None else ignore[:, None])
+    if "cache" in got:
+        cache, cache_exp = got["cache"], base["cache"]
+        assert type(cache) is type(cache_exp)
+        assert cache.axis == cache_exp.axis and cache.shape == cache_exp.shape
+        assert cache.dtype == cache_exp.dtype
+        if "s" in got:
+            assert cache.x is got["s"], "the cache must refer to s"
+        compare_stats(cache.rstd, cache_exp.rstd, expected.values["rstd"], kappa, None, "rstd",
+                      ignore)
+        if not rms:
+            compare_stats(cache.mean, cache_exp.mean, expected.values["mean"], kappa,
+                          finite_max(x_rows, axis=1) / expected.scale, "mean", beyond)
+
+
+def compare_batch_norm(result, expected, call):
+    got, base = named_results(call.func, result), named_results(call.func, expected.result)
+    y = got["y"]
+    check_output(y, base["y"], base["y"].dtype, call.outputs.get("out"))
+    groups, columns = expected.groups, expected.x  # one row per feature
+    training = bool(call.kwargs["training"])
+    eps = expected.eps
+    if training or columns.shape[1] == 0:
+        _, kappa = group_stats(columns, eps)
+    else:  # (evaluation mode is never scaled)
+        centre = np.asarray(expected.call.kwargs["running_mean"], np.float64)
+        with np.errstate(all="ignore"):
+            rstd = 1.0 / np.sqrt(np.asarray(expected.call.kwargs["running_var"], np.float64)
                                  + eps)
             kappa = (finite_max(columns, axis=1) + np.abs(centre)) * rstd
         kappa = np.where(np.isfinite(kappa), kappa, 0.0)
     n_features = columns.shape[0]
-    ignore = (degenerate_groups(columns, eps) if training
-              else np.zeros(n_features, bool))
+    ignore = (degenerate_groups(columns, eps) | deviations_beyond_float64(columns, expected.scale)
+              if training else np.zeros(n_features, bool))
     if y.size:
-        compare_normalized(feature_columns(y, axis, y.dtype).T,
-                           feature_columns(y_exp, axis, y_exp.dtype).T, columns, kappa,
-                           param_values(expected_call.info["gamma"], n_features, 1.0)[:, None],
-                           param_values(expected_call.info["beta"], n_features, 0.0)[:, None],
+        compare_normalized(groups.view(y, y.dtype), expected.values["y"], base["y"].dtype, kappa,
+                           param_values(expected.call.info["gamma"], n_features, 1.0)[:, None],
+                           param_values(expected.call.info["beta"], n_features, 0.0)[:, None],
                            ignore=ignore[:, None])
-    # the running statistics, updated in place in training mode (in their own dtype):
-    # momentum * old + (1 - momentum) * batch statistic, a sum of terms each at most about
-    # |new| + max|x| (max|x|**2 for the variance) in size
+    # The running statistics, updated in place in training mode (in their own dtype): the
+    # reference's update, momentum * old + (1 - momentum) * batch statistic, a sum of terms
+    # each at most about |new| + max|x| (max|x|**2 for the variance) in size. momentum = 1
+    # gives the batch variance weight 0 also where it is beyond float64 (inf here, once scaled
+    # back; finite in the reference's scaled arithmetic; fastln's documented rule). An Inf in
+    # x makes the batch mean inf and the variance NaN, and both updates NaN, in both.
     if training and "running_mean" in call.kwargs:
-        size = finite_max(columns, axis=1) / scale
-        for name, power in (("running_mean", 1), ("running_var", 2)):
+        momentum = float(call.kwargs["momentum"])
+        size = finite_max(columns, axis=1) / expected.scale
+        for index, (name, power) in enumerate((("running_mean", 1), ("running_var", 2))):
             actual = call.kwargs[name]
-            desired = np.asarray(expected_call.kwargs[name], np.float64) / scale / (
-                scale if power == 2 else 1.0)
-            rtol, atol = tolerance(actual.dtype)
+            old = np.asarray(expected.call.info["drawn_running"][index], np.float64)
+            batch = expected.values["batch_" + name]
             with np.errstate(all="ignore"):
+                weighted = (1.0 - momentum) * batch
+                if momentum == 1.0 and name == "running_var":
+                    weighted = np.where(np.isinf(batch), 0.0, weighted)
+                desired = momentum * old + weighted
                 terms = np.abs(desired) + 2 * size ** power
+            rtol, atol = tolerance(actual.dtype)
             allowed = (rtol * np.abs(desired) + atol * terms
                        + 64 * U64 * kappa * power * np.abs(desired) + floor(actual.dtype))
             assert_agrees(actual, desired, allowed, name, ignore)
-    if forward:
-        cache, cache_exp = result[1], expected[1]
+    if "cache" in got:
+        cache, cache_exp = got["cache"], base["cache"]
         assert type(cache) is type(cache_exp)
         assert (cache.training, cache.axis, cache.dtype) == (cache_exp.training, cache_exp.axis,
                                                             cache_exp.dtype)
-        compare_stats(cache.rstd, cache_exp.rstd * scale, kappa, None, "rstd", ignore)
-        compare_stats(cache.mean, cache_exp.mean / scale, kappa,
-                      finite_max(columns, axis=1) / scale, "mean", ignore)
+        compare_stats(cache.rstd, cache_exp.rstd, expected.values["rstd"], kappa, None, "rstd",
+                      ignore)
+        compare_stats(cache.mean, cache_exp.mean, expected.values["mean"], kappa,
+                      finite_max(columns, axis=1) / expected.scale, "mean", ignore)
 
 
-def compare_backward(result, expected, call, expected_call, scale):
+def compare_backward(result, expected, call):
     """dx (and dgamma, dbeta): tolerances from the sizes of the terms (module docstring)."""
-    n_grads = 2 if call.func == "rms_norm_backward" else 3
-    assert isinstance(result, tuple) and len(result) == len(expected) == n_grads
-    check_output(result[0], expected[0], expected[0].dtype, call.outputs.get("out"))
-    for actual, desired in zip(result[1:], expected[1:]):
-        check_output(actual, desired, desired.dtype)
-    if result[0].size == 0:
+    got, base = named_results(call.func, result), named_results(call.func, expected.result)
+    check_output(got["dx"], base["dx"], base["dx"].dtype, call.outputs.get("out"))
+    for name in ("dgamma", "dbeta"):
+        if name in base:
+            check_output(got[name], base[name], base[name].dtype)
+    if got["dx"].size == 0:
         return
-    cache_exp = expected_call.info["cache"]
-    axis = cache_exp.axis
-    bn = call.func == "batch_norm_backward"
+    groups = expected.groups
+    cache_exp = expected.call.info["cache"]
+    bn = groups.features
     rms = call.func == "rms_norm_backward"
-    groups = (lambda a: feature_columns(a, axis).T) if bn else (lambda a: row_view(a, axis))
-    # the expected call's x was scaled by c = scale and its dy by d = dy_scale:
-    # dx = dx' * c / d, dgamma = dgamma' / d, dbeta = dbeta' / d
-    dy_scale = expected_call.info["dy_scale"]
-    x_groups = groups(expected_call.info["x"])
-    dy_groups = groups(np.asarray(expected_call.info["dy"], np.float64) / dy_scale)
-    rstd, kappa = group_stats(x_groups, float(cache_exp.eps), rms)
-    degenerate = (np.zeros(x_groups.shape[0], bool) if rms
-                  else degenerate_groups(x_groups, float(cache_exp.eps)))
-    if bn and not cache_exp.training:  # the statistics are the running ones
+    x_groups = expected.x
+    dy_groups = expected.values["dy"]  # as drawn (unscaled)
+    rstd, kappa = group_stats(x_groups, expected.eps, rms)  # the expected calls' (scaled)
+    scale = expected.scale
+    left_out = (np.zeros(x_groups.shape[0], bool) if rms
+                else degenerate_groups(x_groups, expected.eps)
+                | deviations_beyond_float64(x_groups, scale))
+    if bn and not cache_exp.training:  # the statistics are the running ones (never scaled)
         rstd = np.asarray(cache_exp.rstd, np.float64)
         kappa = np.zeros_like(rstd)
-        degenerate[:] = False
-    rstd = rstd * scale  # back to the unscaled x
+        left_out[:] = False
     n_groups, n = x_groups.shape
-    gamma = (param_values(expected_call.info["gamma"], n_groups, 1.0)[:, None] if bn
-             else param_values(expected_call.info["gamma"], n, 1.0)[None, :])
-    dtype = expected[0].dtype
+    gamma = (param_values(expected.call.info["gamma"], n_groups, 1.0)[:, None] if bn
+             else param_values(expected.call.info["gamma"], n, 1.0)[None, :])
+    dtype = base["dx"].dtype
     rtol, atol = tolerance(dtype)
-    size = rstd * finite_max(dy_groups * gamma, axis=1) * (2 + math.sqrt(n))
-    dx_exp = groups(np.asarray(expected[0], np.float64) * scale / dy_scale)
+    # rstd * max|dy * gamma|, with the call's rstd = rstd * c: either product alone may leave
+    # float64 where the whole does not (rstd * c overflows for subnormal x with eps = 0, rstd
+    # * max|dy| underflows for subnormal dy), so mantissas multiply and exponents add
+    largest_dxhat = finite_max(dy_groups * gamma, axis=1)
+    (rstd_mantissa, rstd_exponent), (dy_mantissa, dy_exponent) = (np.frexp(rstd),
+                                                                   np.frexp(largest_dxhat))
+    size = np.ldexp(rstd_mantissa * dy_mantissa * (2 + math.sqrt(n)),
+                    rstd_exponent + dy_exponent + np.frexp(scale)[1] - 1)
+    dx_exp = expected.values["dx"]
     allowed = (rtol * np.abs(dx_exp) + (atol + 64 * U64 * kappa[:, None]) * size[:, None]
                + floor(dtype))
-    assert_agrees(groups(result[0]), dx_exp, allowed, "dx", degenerate[:, None])
+    assert_agrees(groups.view(got["dx"], got["dx"].dtype), dx_exp, allowed, "dx",
+                  left_out[:, None])
 
     dy_abs = np.abs(np.where(np.isfinite(dy_groups), dy_groups, 0.0))
     if bn:  # per feature, a sum over its own group
         sums, kappa_sums = dy_abs.sum(axis=1), dy_abs.sum(axis=1) * kappa
     else:   # per column, a sum over the rows
         sums, kappa_sums = dy_abs.sum(axis=0), (dy_abs * kappa[:, None]).sum(axis=0)
-    dgamma_exp = np.asarray(expected[1], np.float64).reshape(-1) / dy_scale
+    dgamma_exp = expected.values["dgamma"]
     allowed = (rtol * np.abs(dgamma_exp) + atol * sums * math.sqrt(n) + 64 * U64 * kappa_sums
                + floor(dtype))
-    # a degenerate group's x_hat is noise in the reference: its dgamma (all of LayerNorm's, whose
-    # dgamma sums over the rows) is not compared
-    assert_agrees(result[1].reshape(-1), dgamma_exp, allowed, "dgamma",
-                  degenerate if bn else degenerate.any())
-    if n_grads == 3:
-        dbeta_exp = np.asarray(expected[2], np.float64).reshape(-1) / dy_scale
-        assert_agrees(result[2].reshape(-1), dbeta_exp,
+    # a group left out (a degenerate one's x_hat is noise in the reference; or out of scope):
+    # its dgamma (all of LayerNorm's, whose dgamma sums over the rows) is not compared
+    assert_agrees(got["dgamma"].reshape(-1), dgamma_exp, allowed, "dgamma",
+                  left_out if bn else left_out.any())
+    if "dbeta" in got:
+        dbeta_exp = expected.values["dbeta"]
+        assert_agrees(got["dbeta"].reshape(-1), dbeta_exp,
                       rtol * np.abs(dbeta_exp) + atol * sums + floor(dtype), "dbeta")
 
 
 COMPARE = {
-    "layer_norm": lambda *args: compare_row_norm(*args, rms=False),
-    "rms_norm": lambda *args: compare_row_norm(*args, rms=True),
-    "add_layer_norm": compare_add_norm,
-    "add_rms_norm": compare_add_norm,
+    "layer_norm": compare_row_norm,
+    "rms_norm": compare_row_norm,
+    "add_layer_norm": compare_row_norm,
+    "add_rms_norm": compare_row_norm,
     "batch_norm": compare_batch_norm,
     "layer_norm_backward": compare_backward,
     "rms_norm_backward": compare_backward,
@@ -1253,6 +1540,117 @@ def test_harness_catches_a_modified_input(monkeypatch):
         check_case(case)
 
 
+def harness_case(func, **changes):
+    """A valid float64 case of `func` with ordinary arguments, `changes` applied."""
+    case = dict(func=func, seed=0, shape=(5, 2), axis=1, dtype="float64", x_kind="normal",
+                x_layout=Layout(), eps=1e-5, num_threads=None, out="none")
+    if func in FORWARD_OF:
+        case.update(forward_gamma="none", backward_gamma="same", dy_shape="same",
+                    dy_dtype="float64", dy_kind="normal", dy_layout=Layout(),
+                    training=True if func.startswith("batch") else None)
+    else:
+        case.update(gamma="none", beta="none")
+    if func.startswith("batch_norm") and func not in FORWARD_OF:
+        case.update(training=True, running="float64", momentum=0.9)
+    case.update(changes)
+    return case
+
+
+# Calls the harness misjudged when it scaled a whole call by one power of two (found by
+# HYPOTHESIS_PROFILE=thorough runs, or drawn after them; each failed then, and passes now that
+# each group is scaled on its own, and dy with it - see expected_results).
+MISJUDGED = {
+    # BatchNorm in training mode with running statistics, subnormal x and eps = 0: the scale
+    # was capped to keep running_var * c**2 finite, and the reference's squares still
+    # underflowed (y 3e-6 off)
+    "batch_norm_subnormal_x_with_running_statistics": harness_case(
+        "batch_norm", shape=(64, 3), x_kind="subnormal", eps=0.0),
+    # subnormal x and dy (dx ~ dy / sqrt(eps) ~ 1e-148): x went up by 2**1000 and dy did not,
+    # so the reference's dx / c underflowed to 0
+    "layer_norm_backward_subnormal_x_and_dy": harness_case(
+        "layer_norm_backward", shape=(1, 64), x_kind="subnormal", dy_kind="subnormal",
+        forward_gamma="int", eps=5e-324),
+    "rms_norm_backward_subnormal_x_and_dy": harness_case(
+        "rms_norm_backward", shape=(1, 64), x_kind="subnormal", dy_kind="subnormal",
+        forward_gamma="int", eps=5e-324),
+    # dy = 0 on subnormal x with eps = 0: the tolerance's rstd * c (the true rstd, ~1e310)
+    # overflowed before it met max|dy| = 0, and allowed nothing (NaN)
+    "layer_norm_backward_zero_dy_on_subnormal_x": harness_case(
+        "layer_norm_backward", shape=(1, 64), x_kind="subnormal", dy_kind="zeros", eps=0.0),
+    "rms_norm_backward_zero_dy_on_subnormal_x": harness_case(
+        "rms_norm_backward", shape=(1, 64), x_kind="subnormal", dy_kind="zeros", eps=0.0),
+    # the same, 80 rows of 1024: then (the scaling per group fixed) the tolerance's
+    # rstd * max|dy|, taken in the expected call (5e-140 * 1e-310), underflowed before c brought
+    # it back, leaving only rtol * |dx| where cancellation needs atol * size (5 elements)
+    "layer_norm_backward_subnormal_x_and_dy_many_rows": harness_case(
+        "layer_norm_backward", shape=(80, 1024), x_kind="subnormal", dy_kind="subnormal",
+        eps=5e-324),
+    # BatchNorm's evaluation backward, x constant at ~1e300, dy mixing 1e300 and 1e-310: dy
+    # came down as a whole, flushing the dy of a feature whose dgamma = dy * x_hat is ~2e-10
+    "batch_norm_backward_evaluation_huge_x_mixed_dy": harness_case(
+        "batch_norm_backward", seed=1366609331, shape=(8,), axis=0, x_kind="constant",
+        dy_kind="mixed", training=False),
+    # rows of ~1e300 and rows of ~1e-310 in one call, eps = 0 or 5e-324: the one scale that
+    # brought the big rows down flushed the small ones, and eps * c**2, to 0
+    "layer_norm_rows_of_both_extremes": harness_case(
+        "layer_norm_forward", x_kind="mixed", eps=0.0),
+    "rms_norm_rows_of_both_extremes": harness_case("rms_norm", x_kind="mixed", eps=0.0),
+    "layer_norm_rows_of_both_extremes_subnormal_eps": harness_case(
+        "layer_norm", x_kind="mixed", eps=5e-324),
+    "layer_norm_backward_rows_of_both_extremes": harness_case(
+        "layer_norm_backward", seed=2, x_kind="mixed", dy_kind="mixed", eps=0.0),
+    "rms_norm_backward_rows_of_both_extremes": harness_case(
+        "rms_norm_backward", x_kind="mixed", dy_kind="mixed", eps=0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISJUDGED))
+def test_harness_scales_each_group_on_its_own(name):
+    check_case(MISJUDGED[name])
+
+
+def test_harness_leaves_out_only_deviations_beyond_float64():
+    """The out-of-scope rule (module docstring): a row whose x - mean overflows float64 (fastln
+    returns NaN for it, the reference on the unscaled row garbage) is left out; rows whose
+    deviations fit - also WIDE_ROWS, near DBL_MAX - are compared. The object values drawn as a
+    nested list that first showed it (a thorough run with a random seed) pass."""
+    beyond = np.array([[DBL_MAX, -DBL_MAX, 1e300, 1.0, 2.0, 3.0]])
+    rows = np.concatenate([WIDE_ROWS, beyond, np.ones((1, 6))])
+    for exponent in (0, -524):
+        scale = np.full(len(rows), 2.0 ** exponent)
+        np.testing.assert_array_equal(deviations_beyond_float64(rows * scale[:, None], scale),
+                                      [False, False, False, True, False])
+    assert np.all(np.isnan(fastln.layer_norm(beyond)))
+    check_case(dict(func="layer_norm_forward", seed=0, shape=(80, 1024), axis=0, dtype="object",
+                    x_kind="mixed", x_layout=Layout(container="list"), eps=1e-5,
+                    num_threads=None, gamma="none", beta="none", out="none"))
+
+
+@pytest.mark.parametrize("name", ["batch_norm_subnormal_x_with_running_statistics",
+                                  "layer_norm_backward_subnormal_x_and_dy",
+                                  "layer_norm_rows_of_both_extremes",
+                                  "rms_norm_backward_rows_of_both_extremes"])
+def test_harness_catches_a_wrong_result_in_a_rescaled_group(name, monkeypatch):
+    """y (or dx) 1e-4 off in the groups the expected calls rescaled, and only there: the
+    harness sees it (scaling does not blind it)."""
+    case = MISJUDGED[name]
+    check_case(case)
+    plan = plan_expected(build(case, fastln))
+    rescaled = plan.exponents != 0
+    assert rescaled.any() and (rescaled.all() or not plan.groups.features)
+    real = getattr(fastln, case["func"])
+
+    def off(*args, **kwargs):
+        result = real(*args, **kwargs)
+        first = result[0] if isinstance(result, tuple) else result
+        first.reshape(len(rescaled), -1)[rescaled] *= 1 + 1e-4  # (a fresh C-order array)
+        return result
+
+    monkeypatch.setattr(fastln, case["func"], off)
+    with pytest.raises(AssertionError, match="disagree"):
+        check_case(case)
+
+
 # --------------------------------------------------------------------------------------------
 # What the suites found, as minimal reproductions (each fails until its bug is fixed)
 # --------------------------------------------------------------------------------------------
@@ -1287,6 +1685,38 @@ def test_layer_norm_backward_float64_huge_x_and_huge_dy():
     assert_agrees(dx, dx_expected * 2.0 ** -500, 1e-11 * np.abs(dx_expected).max() * 2.0 ** -500,
                   "dx")
     assert_agrees(dgamma, dgamma_expected, 1e-11 * np.abs(dgamma_expected).max(), "dgamma")
+
+
+DBL_MAX = float(np.finfo(np.float64).max)
+# Values near DBL_MAX: some x - x[0], or the sum of them, is beyond float64 in every row;
+# x - mean in none.
+WIDE_ROWS = np.array([[0.6 * DBL_MAX, -0.6 * DBL_MAX, 1.0, 2.0, 3.0, 4.0],
+                      [DBL_MAX, 1e300, -1e300, 5.0, 6.0, 7.0],
+                      [0.0, -DBL_MAX, 0.0, 1e6, -DBL_MAX, 3.0]])
+
+
+def test_layer_norm_float64_values_whose_sums_around_the_first_overflow():
+    """LayerNorm sums each row's deviations from x[0] first (to keep |mean| >> std accurate),
+    and those overflowed for these rows: y was NaN. Every x - mean fits in float64 here, and y
+    is finite: the reference on the rows times 2**-524 (where nothing overflows)."""
+    scale = 2.0 ** -524
+    eps = 1e-5
+    expected = ref.layer_norm(WIDE_ROWS * scale, eps=eps * scale ** 2)
+    assert np.all(np.isfinite(expected))
+    assert_agrees(fastln.layer_norm(WIDE_ROWS, eps=eps), expected, 1e-11, "layer_norm")
+    y, cache = fastln.layer_norm_forward(WIDE_ROWS, eps=eps)
+    assert_agrees(y, expected, 1e-11, "layer_norm_forward")
+    expected_cache = ref.layer_norm_forward(WIDE_ROWS * scale, eps=eps * scale ** 2)[1]
+    assert_agrees(cache.mean, expected_cache.mean / scale, 1e-11 * DBL_MAX, "mean")
+    assert_agrees(cache.rstd, expected_cache.rstd * scale,
+                  1e-11 * expected_cache.rstd * scale, "rstd")
+    y, _ = fastln.add_layer_norm(WIDE_ROWS, np.zeros_like(WIDE_ROWS), eps=eps)
+    assert_agrees(y, expected, 1e-11, "add_layer_norm")
+    dy = np.array([[1.0, -2.0, 0.5, 3.0, 0.25, -1.0], [0.5, 1.0, -1.0, 2.0, 1.5, 0.0],
+                   [1e-3, 2.0, -3.0, 0.5, -1.0, 1.0]])
+    dx_expected = ref.layer_norm_backward(dy, expected_cache)[0] * scale
+    dx = fastln.layer_norm_backward(dy, cache)[0]
+    assert_agrees(dx, dx_expected, 1e-11 * np.abs(dx_expected).max(axis=1, keepdims=True), "dx")
 
 
 def test_batch_norm_float64_huge_values_do_not_overflow():
@@ -1480,6 +1910,31 @@ def test_rms_norm_backward_float64_huge_x_and_huge_dy():
     assert_agrees(dx, dx_expected, 1e-11 * np.abs(dx_expected).max(), "dx")
     assert_agrees(dgamma, dgamma_expected * 2.0 ** 500,
                   1e-11 * np.abs(dgamma_expected).max() * 2.0 ** 500, "dgamma")
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-300])
+def test_layer_norm_backward_tiny_dy_on_a_tiny_spread(eps):
+    """float64 x ~ 1e-150 (its squares are fine) and dy ~ 1e-310: dx ~ rstd * dy ~ 1e-160. The
+    backward summed dy * (x - mean) ~ 1e-460 before rstd scales it up: the products underflowed
+    to 0 and dx was up to 20% off. Expected: the reference on dy * 2**1030 (the backward is
+    linear in dy), dx scaled back."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 64)) * 1e-150
+    dy = rng.standard_normal((3, 64)) * 1e-310
+    dy[1] *= 2.0 ** 100  # products ~1e-430: still below double's range
+    dy[2] = 0.0          # all zero: dx = 0
+    gamma = 0.5 + rng.random(64)
+    up = np.array([1030, 930, 0])[:, None]
+    expected = ref.layer_norm_backward(np.ldexp(dy, up), ref.layer_norm_forward(x, eps=eps)[1],
+                                       gamma)
+    dx_expected = np.ldexp(expected[0], -up)
+    dx, dgamma, dbeta = fastln.layer_norm_backward(dy, fastln.layer_norm_forward(x, eps=eps)[1],
+                                                   gamma)
+    assert np.all(dx[2] == 0.0)
+    assert_agrees(dx, dx_expected, 1e-12 * np.abs(dx_expected).max(axis=1, keepdims=True), "dx")
+    dgamma_expected = ref.layer_norm_backward(dy, ref.layer_norm_forward(x, eps=eps)[1], gamma)[1]
+    assert_agrees(dgamma, dgamma_expected, 1e-12 * np.abs(dgamma_expected).max() + 1e-320,
+                  "dgamma")
 
 
 def test_float32_backward_when_dy_times_gamma_overflows_float32():

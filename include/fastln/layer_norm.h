@@ -49,12 +49,12 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * underflowed in double. */
 #define FASTLN_TINY 1e-250
 
-/* One row's statistics (fastln_ln_statistics_*): the sums are taken on x - shift (shift = x[0]),
- * and x_hat = ((x - shift) - mean_shifted) * rstd, rstd = 1 / sqrt(var + eps). Where rstd is
- * beyond double's range (Inf: eps = 0 and a spread below ~1e-308), x_hat is
- * ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled instead; otherwise
- * rstd = ldexp(rstd_scaled, exponent) (exponent = 0 but on the rescaled path). var is 0 only
- * for a constant row (and is in units of 4^-exponent). */
+/* One row's statistics (fastln_ln_statistics_*): the sums are taken on x - shift (shift = x[0],
+ * or the mean where those sums overflow), and x_hat = ((x - shift) - mean_shifted) * rstd,
+ * rstd = 1 / sqrt(var + eps). Where rstd is beyond double's range (Inf: eps = 0 and a spread
+ * below ~1e-308), x_hat is ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled instead;
+ * otherwise rstd = ldexp(rstd_scaled, exponent) (exponent = 0 but on the rescaled path). var is
+ * 0 only for a constant row (and is in units of 4^-exponent). */
 typedef struct {
     double shift, mean_shifted, var, rstd, rstd_scaled;
     int exponent;

@@ -38,15 +38,18 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_sums)(
  * by powers of two beyond double's range (a subnormal spread needs up to 2^1074). Returns
  * rstd * 2^-exponent; *exponent_out gets the exponent, whose rstd itself may be beyond double
  * (eps = 0 and a spread below ~1e-308). A plain loop in a fixed order: this path is taken by a
- * handful of rows at most. var_out gets the scaled variance (0 only for a constant row). */
+ * handful of rows at most. var_out gets the scaled variance (0 only for a constant row),
+ * residual_out the mean of x - mean (0 for a constant row, NaN where x - mean is beyond
+ * double). */
 static double FASTLN_NAME(fastln_ln_rescaled_rstd)(
     const FASTLN_T *x, int64_t n_cols, double mean, double eps, double *var_out,
-    int *exponent_out)
+    int *exponent_out, double *residual_out)
 {
     double largest = 0.0;
     for (int64_t j = 0; j < n_cols; j++) largest = fmax(largest, fabs((double)x[j] - mean));
     *var_out = 0.0;
     *exponent_out = 0;
+    *residual_out = isinf(largest) ? NAN : 0.0;
     if (!(largest > 0.0) || isinf(largest)) return 1.0 / sqrt(eps); /* constant row; or beyond */
     int exponent;
     frexp(largest, &exponent);
@@ -57,6 +60,7 @@ static double FASTLN_NAME(fastln_ln_rescaled_rstd)(
         sumsq += d * d;
     }
     const double mean_scaled = sum / (double)n_cols;
+    *residual_out = ldexp(mean_scaled, exponent);
     double var = sumsq / (double)n_cols - mean_scaled * mean_scaled;
     if (var < 0.0) var = 0.0;
     *var_out = var;
@@ -66,6 +70,23 @@ static double FASTLN_NAME(fastln_ln_rescaled_rstd)(
     if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps);
     *exponent_out = -exponent;
     return 1.0 / sqrt(var + eps_scaled);
+}
+
+/* The mean of a row of finite values whose sums around x[0] overflow double (float64 values
+ * near DBL_MAX), summed on the values scaled by 2^-k with n_cols < 2^k, a sum that cannot
+ * overflow; 0 (no mean) when the row holds a NaN or an Inf, which stays NaN. A plain loop: a
+ * rare row. */
+static int FASTLN_NAME(fastln_ln_wide_mean)(const FASTLN_T *x, int64_t n_cols, double *mean_out)
+{
+    int k;
+    frexp((double)n_cols, &k);
+    double sum = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        if (!isfinite((double)x[j])) return 0;
+        sum += ldexp((double)x[j], -k);
+    }
+    *mean_out = ldexp(sum / (double)n_cols, k);
+    return 1;
 }
 
 /* y = gamma * x_hat + beta for eight elements; gamma and beta may be NULL. */
@@ -109,16 +130,28 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_write_row_double)(
  *
  * They come from one read of the row, shifted by its first element: d = x - x[0] is small
  * whenever the row's spread is small, so sum(d) and sum(d * d) in double do not cancel even when
- * |mean| >> std (the E[x^2] - E[x]^2 trap). */
+ * |mean| >> std (the E[x^2] - E[x]^2 trap). A row of finite values whose sums around x[0]
+ * overflow (float64 values near DBL_MAX, of both signs) is centred on its mean instead, with
+ * every sum taken on scaled values. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_statistics)(const FASTLN_T *x, int64_t n_cols,
                                                      double eps, fastln_ln_stats *stats)
 {
-    const double shift = (double)x[0];
+    double shift = (double)x[0];
     fastln_d8 sum[FASTLN_ACCUMULATORS] = {{0}};
     fastln_d8 sumsq[FASTLN_ACCUMULATORS] = {{0}};
     FASTLN_NAME(fastln_ln_sums)(x, n_cols, shift, sum, sumsq);
-    const double mean_shifted = fastln_reduce(sum) / (double)n_cols;
+    double mean_shifted = fastln_reduce(sum) / (double)n_cols;
     double var = fastln_reduce(sumsq) / (double)n_cols - mean_shifted * mean_shifted;
+    double wide_mean;
+    const int wide = !isfinite(mean_shifted)
+                     && FASTLN_NAME(fastln_ln_wide_mean)(x, n_cols, &wide_mean);
+    if (wide) {
+        /* Finite values whose sums around x[0] overflow (float64 values near DBL_MAX): centred
+         * on their mean, and every sum taken on scaled values by the rescaled path below. */
+        shift = (double)(FASTLN_T)wide_mean;
+        mean_shifted = 0.0;
+        var = INFINITY;
+    }
     if (mean_shifted * mean_shifted > FASTLN_MAX_CANCELLATION * var) {
         /* The shift was far from the mean (an outlier in x[0]): sum(d * d) and mean(d)^2 cancel
          * by more than ~10 bits. Rare; take the variance again around the mean, in cache. */
@@ -138,8 +171,15 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_statistics)(const FASTLN_T *x, int64_t 
         /* Squares that overflow (|x| beyond ~1e154) or underflow (spreads below ~1e-154, with
          * eps too small to matter) in double: take the statistics again on rescaled values.
          * Rare; NaN and Inf rows never come here (their mean_shifted is not finite). */
+        double residual;
         rstd_scaled = FASTLN_NAME(fastln_ln_rescaled_rstd)(x, n_cols, shift + mean_shifted, eps,
-                                                           &var, &exponent);
+                                                           &var, &exponent, &residual);
+        if (wide) {
+            /* The mean's last digits; NaN where x - mean itself is beyond double, for which
+             * the row stays NaN as it was. */
+            mean_shifted = residual;
+            if (isnan(residual)) var = rstd_scaled = NAN;
+        }
         rstd = ldexp(rstd_scaled, exponent); /* Inf when beyond double */
     }
     stats->shift = shift;
@@ -279,7 +319,8 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
  *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), e + k)
  * so no product leaves double's range unless dx itself does. For the rows the vector passes
  * cannot take: an rstd beyond the cache's range (Inf: float32 subnormal spreads, float64 ones
- * with eps = 0), or dy * (x - mean) beyond double's (|x| and |dy| near 1e300). dx may be dy. */
+ * with eps = 0), or dy * (x - mean) beyond double's (|x| and |dy| near 1e300, or both tiny).
+ * dx may be dy. */
 static void FASTLN_NAME(fastln_ln_backward_row_recomputed)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_cols,
     double eps, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
@@ -356,6 +397,38 @@ static int FASTLN_NAME(fastln_ln_backward_row_rare)(
     return 1;
 }
 
+/* Whether every element is zero, eight at a time (padding rows of dy take this test). */
+FASTLN_INLINE int FASTLN_NAME(fastln_all_zero)(const FASTLN_T *v, int64_t n)
+{
+    typedef int64_t fastln_i8 __attribute__((vector_size(64)));
+    fastln_i8 nonzero = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) nonzero |= FASTLN_LOAD8(v + j) != 0.0;
+    int any = 0;
+    for (int k = 0; k < 8; k++) any |= nonzero[k] != 0;
+    for (; j < n; j++) any |= v[j] != (FASTLN_T)0;
+    return !any;
+}
+
+/* Whether a float64 row's products dx_hat * (x - mean) may have fallen below double's normal
+ * range, taking their digits with them: |dy| and |x - mean| both tiny (say 1e-310 and 1e-150,
+ * whose squares are fine). A product below DBL_MIN is off by up to DBL_MIN * 2^-53; n of them
+ * stay below 2^-53 of the row's largest product when that is n * DBL_MIN or more. Rare: a
+ * scan, outside the vector passes (an all-zero dy, whose products are exact zeros, does not
+ * come here). */
+static int FASTLN_NAME(fastln_ln_backward_products_underflow)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double mean, int64_t n_cols)
+{
+    double largest_dxhat = 0.0, largest_d = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double dx_hat = gamma ? (double)dy[j] * (double)gamma[j] : (double)dy[j];
+        largest_dxhat = fmax(largest_dxhat, fabs(dx_hat));
+        largest_d = fmax(largest_d, fabs((double)x[j] - mean));
+    }
+    return largest_dxhat > 0.0 && largest_d > 0.0
+           && largest_dxhat * largest_d < (double)n_cols * DBL_MIN;
+}
+
 /* Backward of one row, the lesson's two-reduction identity:
  *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma.
  *
@@ -399,14 +472,23 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
     const double n = (double)n_cols;
     const double mean_correction = fastln_reduce(sum_d) / n;
     const double total_dxhat = fastln_reduce(sum_dxhat);
-    const double total_dxhat_xhat =
-        rstd * (fastln_reduce(sum_dxhat_d) - mean_correction * total_dxhat);
+    const double total_dxhat_d = fastln_reduce(sum_dxhat_d);
+    const double total_dxhat_xhat = rstd * (total_dxhat_d - mean_correction * total_dxhat);
     /* Not finite: an Inf rstd (a constant row with eps = 0, or beyond the cache's range), a
      * product that overflowed, or a NaN or Inf in the row. Rare. */
     if (!isfinite(total_dxhat_xhat)
         && FASTLN_NAME(fastln_ln_backward_row_rare)(dy, x, gamma, dx, n_cols, rstd, eps,
                                                     total_dxhat, dgamma_acc, dbeta_acc))
         return;
+    /* Products that underflowed (float64 only: float32 ones, formed in double, cannot): their
+     * sum is below n * (n * DBL_MIN) then, which ordinary rows never are (all-zero dy aside). */
+    if (sizeof(FASTLN_T) == sizeof(double) && fabs(total_dxhat_d) < n * n * DBL_MIN
+        && !FASTLN_NAME(fastln_all_zero)(dy, n_cols)
+        && FASTLN_NAME(fastln_ln_backward_products_underflow)(dy, x, gamma, mean, n_cols)) {
+        FASTLN_NAME(fastln_ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc,
+                                                       dbeta_acc);
+        return;
+    }
     FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, mean, mean_correction,
                                               rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
                                               dbeta_acc, streaming);
