@@ -240,3 +240,36 @@ def test_streamed_outputs_equal_the_same_rows_in_a_small_batch(dtype, in_place):
     _, dgamma_again, dbeta_again = fastln.layer_norm_backward(dy, cache, gamma, num_threads=1)
     assert_bitwise_equal(dgamma_again, dgamma, err_msg="dgamma")
     assert_bitwise_equal(dbeta_again, dbeta, err_msg="dbeta")
+
+
+# --------------------------------------------------------------------------------------------
+# The backward's grouped write pass and its row-by-row fallback: the same bits
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_backward_group_falling_back_to_single_rows_gives_the_same_bits(dtype):
+    """The backward writes rows in groups of 8 (one load and store of each dgamma/dbeta
+    accumulator per group); a group holding a row the vector pass does not take goes row by row.
+    A row of tiny values with eps = 0 (rstd ~ 1e36: beyond the float32 pass) and dy = 0 (its
+    products are exact zeros: a float64 group falls back too) adds exactly zero to dgamma and
+    dbeta, so the batch with it (first group row by row) and the batch without it (every group
+    grouped) must give the same dgamma, dbeta and other rows' dx, bit for bit: the row-by-row
+    order of the accumulations is the grouped pass's."""
+    n_rows, n_cols, odd = 11, 777, 3  # 777: the rows have a tail beyond the vector width
+    rng = np.random.default_rng(23)
+    x = random_input(rng, (n_rows, n_cols), dtype, offset=2.0)
+    dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    x[odd] = (rng.standard_normal(n_cols) * 1e-36).astype(dtype)
+    dy[odd] = 0
+    gamma, beta = random_params(rng, (n_cols,), dtype)
+    keep = np.arange(n_rows) != odd
+    _, cache = fastln.layer_norm_forward(x, gamma, beta, eps=0.0)
+    assert cache.rstd[odd] > 1e30
+    dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, gamma)
+    _, cache_kept = fastln.layer_norm_forward(x[keep], gamma, beta, eps=0.0)
+    dx_kept, dgamma_kept, dbeta_kept = fastln.layer_norm_backward(dy[keep], cache_kept, gamma)
+    assert_bitwise_equal(dx[keep], dx_kept, err_msg="dx")
+    assert_bitwise_equal(dgamma, dgamma_kept, err_msg="dgamma")
+    assert_bitwise_equal(dbeta, dbeta_kept, err_msg="dbeta")
+    assert np.all(dx[odd] == 0)

@@ -10,6 +10,13 @@
 #include <stdint.h>
 #include "fastln/common.h"
 
+/* A row's backward sums from its first pass (fastln_ln_backward_first_pass_*), in double:
+ * sum(dx_hat), sum(dx_hat * d) with d = x - mean, and the two that the write pass takes,
+ * mean(d) (the correction to the cache's mean) and sum(dx_hat * x_hat). */
+typedef struct {
+    double mean, rstd, mean_correction, total_dxhat, total_dxhat_d, total_dxhat_xhat;
+} fastln_ln_backward_sums;
+
 /* The write pass of a row, per element type (the forward calls fastln_ln_write_row_*). */
 FASTLN_INLINE void fastln_ln_write_row_f32(
     const float *x, const float *gamma, const float *beta, float *y, int64_t n_cols,
@@ -27,18 +34,32 @@ FASTLN_INLINE void fastln_ln_backward_accumulate_f64(
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
     fastln_d8 sum_d[FASTLN_ACCUMULATORS]);
 FASTLN_INLINE void fastln_ln_backward_write_row_f32(
-    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
-    double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
-    float *dgamma_acc, float *dbeta_acc, int streaming);
+    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols,
+    const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc, int streaming);
 FASTLN_INLINE void fastln_ln_backward_write_row_f64(
     const double *dy, const double *x, const double *gamma, double *dx, int64_t n_cols,
-    double mean, double mean_correction, double rstd, double total_dxhat,
-    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc, int streaming);
+    const fastln_ln_backward_sums *sums, double *dgamma_acc, double *dbeta_acc, int streaming);
+
+/* The group write passes of the backward (fastln_layer_norm_backward_rows_*), and whether a
+ * row's sums let it take one. */
+FASTLN_INLINE void fastln_ln_backward_write_rows_f32(
+    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc);
+FASTLN_INLINE void fastln_ln_backward_write_rows_f64(
+    const double *dy, const double *x, const double *gamma, double *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, double *dgamma_acc,
+    double *dbeta_acc);
+FASTLN_INLINE int fastln_ln_backward_in_vectors_f32(const fastln_ln_backward_sums *sums);
+FASTLN_INLINE int fastln_ln_backward_in_vectors_f64(const fastln_ln_backward_sums *sums);
 
 /* The backward's per-row dgamma/dbeta accumulators are FASTLN_ACC_T (fastln/instantiate.h):
  * float32 rows accumulate FASTLN_ROWS_PER_FLUSH rows in float before the caller folds them into
  * double partial sums; float64 rows accumulate in double directly. */
 #define FASTLN_ROWS_PER_FLUSH 16
+
+/* Backward rows go through the write pass together in groups of this many (a divisor of
+ * FASTLN_ROWS_PER_FLUSH): see fastln_layer_norm_backward_rows. */
+#define FASTLN_BACKWARD_GROUP 8
 
 /* The one-pass variance sum(d * d) / n - mean(d)^2 is recomputed around the mean when the two
  * terms cancel by more than this factor (4 bits): a row whose first element lies more than four
@@ -87,37 +108,58 @@ FASTLN_INLINE void fastln_ln_backward_accumulate_f64(
 /* float32 backward rows: dx_hat = dy * gamma and d = x - mean are formed in float32 (one
  * rounding each, relative to the value itself: no cancellation, since mean is the cache's float32
  * mean and the sums below re-derive its correction), then widened and summed in double. Half the
- * conversions of the all-double version. */
+ * conversions of the all-double version. Each 16-lane product is widened in registers, half by
+ * half: going through a stack array instead cost a failed store-to-load forward per half (the
+ * first pass ran 1.5x slower). Element k still lands in accumulator k / 8. */
 FASTLN_INLINE void fastln_ln_backward_accumulate_f32(
     const float *dy, const float *x, const float *gamma, double mean,
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS], fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS],
     fastln_d8 sum_d[FASTLN_ACCUMULATORS])
 {
     const float mean_f = (float)mean;
-    float dx_hat[FASTLN_BLOCK], d[FASTLN_BLOCK];
-    for (int k = 0; k < FASTLN_BLOCK; k++) {
-        dx_hat[k] = gamma ? dy[k] * gamma[k] : dy[k];
-        d[k] = x[k] - mean_f;
-    }
     FASTLN_UNROLL_ACCUMULATORS
-    for (int a = 0; a < FASTLN_ACCUMULATORS; a++) {
-        const fastln_d8 dx_hat8 = fastln_load8_f32(dx_hat + 8 * a);
-        const fastln_d8 d8 = fastln_load8_f32(d + 8 * a);
-        sum_dxhat[a] += dx_hat8;
-        sum_dxhat_d[a] += dx_hat8 * d8;
-        sum_d[a] += d8;
+    for (int h = 0; h < FASTLN_ACCUMULATORS / 2; h++) {
+        fastln_f16 dy16, x16, scale16;
+        memcpy(&dy16, dy + 16 * h, sizeof dy16);
+        memcpy(&x16, x + 16 * h, sizeof x16);
+        fastln_f16 dx_hat16 = dy16;
+        if (gamma) {
+            memcpy(&scale16, gamma + 16 * h, sizeof scale16);
+            dx_hat16 *= scale16;
+        }
+        const fastln_f16 d16 = x16 - mean_f;
+        const fastln_d8 dx_hat_low = fastln_low8(dx_hat16), dx_hat_high = fastln_high8(dx_hat16);
+        const fastln_d8 d_low = fastln_low8(d16), d_high = fastln_high8(d16);
+        sum_dxhat[2 * h] += dx_hat_low;
+        sum_dxhat_d[2 * h] += dx_hat_low * d_low;
+        sum_d[2 * h] += d_low;
+        sum_dxhat[2 * h + 1] += dx_hat_high;
+        sum_dxhat_d[2 * h + 1] += dx_hat_high * d_high;
+        sum_d[2 * h + 1] += d_high;
     }
 }
 
 /* float64 backward rows: the double write pass (with streaming stores when asked). */
 FASTLN_INLINE void fastln_ln_backward_write_row_f64(
     const double *dy, const double *x, const double *gamma, double *dx, int64_t n_cols,
-    double mean, double mean_correction, double rstd, double total_dxhat,
-    double total_dxhat_xhat, double *dgamma_acc, double *dbeta_acc, int streaming)
+    const fastln_ln_backward_sums *sums, double *dgamma_acc, double *dbeta_acc, int streaming)
 {
-    fastln_ln_backward_write_row_double_f64(dy, x, gamma, dx, n_cols, mean, mean_correction,
-                                            rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
+    fastln_ln_backward_write_row_double_f64(dy, x, gamma, dx, n_cols, sums, dgamma_acc,
                                             dbeta_acc, streaming);
+}
+
+FASTLN_INLINE void fastln_ln_backward_write_rows_f64(
+    const double *dy, const double *x, const double *gamma, double *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, double *dgamma_acc, double *dbeta_acc)
+{
+    fastln_ln_backward_write_rows_double_f64(dy, x, gamma, dx, n_rows, n_cols, sums, dgamma_acc,
+                                             dbeta_acc);
+}
+
+FASTLN_INLINE int fastln_ln_backward_in_vectors_f64(const fastln_ln_backward_sums *sums)
+{
+    (void)sums;
+    return 1;
 }
 
 /* float32 backward rows in float32, like the forward's write pass:
@@ -125,23 +167,68 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * with both means taken in double by the first pass and x_hat centred on a float32 head + tail
  * mean. Subtracting mean(dx_hat) first keeps the cancellation inside one float32 rounding (a
  * one-element row gives dx = 0 exactly). Rows whose rstd does not fit a float32 take the double
- * path. With streaming set (and dx aligned), dx goes out with non-temporal stores. */
-FASTLN_INLINE void fastln_ln_backward_write_row_f32(
-    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols, double mean,
-    double mean_correction, double rstd, double total_dxhat, double total_dxhat_xhat,
-    float *dgamma_acc, float *dbeta_acc, int streaming)
+ * path (fastln_ln_backward_in_vectors_f32). */
+typedef struct {
+    float mean_head, mean_tail, rstd, mean_dxhat, mean_dxhat_xhat;
+} fastln_ln_backward_f32;
+
+FASTLN_INLINE int fastln_ln_backward_in_vectors_f32(const fastln_ln_backward_sums *sums)
 {
-    if (!(rstd > 1e-30 && rstd < 1e30)) {
-        fastln_ln_backward_write_row_double_f32(dy, x, gamma, dx, n_cols, mean, mean_correction,
-                                                rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
+    return sums->rstd > 1e-30 && sums->rstd < 1e30;
+}
+
+FASTLN_INLINE fastln_ln_backward_f32 fastln_ln_backward_to_f32(const fastln_ln_backward_sums *sums,
+                                                             int64_t n_cols)
+{
+    fastln_ln_backward_f32 row;
+    row.mean_head = (float)sums->mean; /* mean is a float32 value already (the cache's) */
+    row.mean_tail = (float)sums->mean_correction;
+    row.rstd = (float)sums->rstd;
+    row.mean_dxhat = (float)(sums->total_dxhat / (double)n_cols);
+    row.mean_dxhat_xhat = (float)(sums->total_dxhat_xhat / (double)n_cols);
+    return row;
+}
+
+/* dx for sixteen elements of a row; their dy * x_hat and dy are added to dgamma16 and dbeta16.
+ * The single-row and the group write passes both take it, so their results are the same bits. */
+FASTLN_INLINE fastln_f16 fastln_ln_backward_dx16_f32(
+    const float *dy, const float *x, const float *gamma, const fastln_ln_backward_f32 *row,
+    fastln_f16 *dgamma16, fastln_f16 *dbeta16)
+{
+    fastln_f16 dy16, x16, scale = {0};
+    memcpy(&dy16, dy, sizeof dy16);
+    memcpy(&x16, x, sizeof x16);
+    if (gamma) memcpy(&scale, gamma, sizeof scale);
+    const fastln_f16 x_hat = ((x16 - row->mean_head) - row->mean_tail) * row->rstd;
+    const fastln_f16 dx_hat = gamma ? dy16 * scale : dy16;
+    *dgamma16 += dy16 * x_hat;
+    *dbeta16 += dy16;
+    return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
+}
+
+/* The same for one element (the last n_cols % 16). */
+FASTLN_INLINE float fastln_ln_backward_dx1_f32(
+    float dy, float x, const float *gamma, const fastln_ln_backward_f32 *row, float *dgamma,
+    float *dbeta)
+{
+    const float x_hat = ((x - row->mean_head) - row->mean_tail) * row->rstd;
+    const float dx_hat = gamma ? dy * *gamma : dy;
+    *dgamma += dy * x_hat;
+    *dbeta += dy;
+    return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
+}
+
+/* With streaming set (and dx aligned), dx goes out with non-temporal stores. */
+FASTLN_INLINE void fastln_ln_backward_write_row_f32(
+    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols,
+    const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc, int streaming)
+{
+    if (!fastln_ln_backward_in_vectors_f32(sums)) {
+        fastln_ln_backward_write_row_double_f32(dy, x, gamma, dx, n_cols, sums, dgamma_acc,
                                                 dbeta_acc, 0);
         return;
     }
-    const float mean_head = (float)mean; /* mean is a float32 value already (the cache's) */
-    const float mean_tail = (float)mean_correction;
-    const float rstd_f = (float)rstd;
-    const float mean_dxhat = (float)(total_dxhat / (double)n_cols);
-    const float mean_dxhat_xhat = (float)(total_dxhat_xhat / (double)n_cols);
+    const fastln_ln_backward_f32 row = fastln_ln_backward_to_f32(sums, n_cols);
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 16 <= n_cols; i += 16) {
@@ -152,17 +239,11 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f32(
             __builtin_prefetch(dy + n_cols + i, 0, 3);
             __builtin_prefetch(x + n_cols + i, 0, 3);
         }
-        fastln_f16 dy16, x16, scale = {0}, dgamma16, dbeta16;
-        memcpy(&dy16, dy + i, sizeof dy16);
-        memcpy(&x16, x + i, sizeof x16);
-        if (gamma) memcpy(&scale, gamma + i, sizeof scale);
+        fastln_f16 dgamma16, dbeta16;
         memcpy(&dgamma16, dgamma_acc + i, sizeof dgamma16);
         memcpy(&dbeta16, dbeta_acc + i, sizeof dbeta16);
-        const fastln_f16 x_hat = ((x16 - mean_head) - mean_tail) * rstd_f;
-        const fastln_f16 dx_hat = gamma ? dy16 * scale : dy16;
-        const fastln_f16 dx16 = ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd_f;
-        dgamma16 += dy16 * x_hat;
-        dbeta16 += dy16;
+        const fastln_f16 dx16 = fastln_ln_backward_dx16_f32(
+            dy + i, x + i, gamma ? gamma + i : NULL, &row, &dgamma16, &dbeta16);
         memcpy(dgamma_acc + i, &dgamma16, sizeof dgamma16);
         memcpy(dbeta_acc + i, &dbeta16, sizeof dbeta16);
         if (stream_dx)
@@ -171,14 +252,9 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f32(
             memcpy(dx + i, &dx16, sizeof dx16);
     }
     if (stream_dx) fastln_streaming_fence();
-    for (; i < n_cols; i++) {
-        const float x_hat = ((x[i] - mean_head) - mean_tail) * rstd_f;
-        const float dx_hat = gamma ? dy[i] * gamma[i] : dy[i];
-        const float dy_i = dy[i];
-        dx[i] = ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd_f;
-        dgamma_acc[i] += dy_i * x_hat;
-        dbeta_acc[i] += dy_i;
-    }
+    for (; i < n_cols; i++)
+        dx[i] = fastln_ln_backward_dx1_f32(dy[i], x[i], gamma ? gamma + i : NULL, &row,
+                                           dgamma_acc + i, dbeta_acc + i);
 }
 
 /* float64 rows: the double write pass, with streaming stores when asked and y is aligned. */
@@ -257,6 +333,36 @@ FASTLN_INLINE void fastln_ln_write_row_f32(
         if (beta) v += beta[i];
         y[i] = v;
     }
+}
+
+/* The float32 write pass of n_rows consecutive rows together (fastln_layer_norm_backward_rows):
+ * each sixteen accumulators are loaded and stored once for the group, and the rows add to them
+ * in row order, as row after row would. */
+FASTLN_INLINE void fastln_ln_backward_write_rows_f32(
+    const float *dy, const float *x, const float *gamma, float *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc)
+{
+    fastln_ln_backward_f32 rows[FASTLN_BACKWARD_GROUP];
+    for (int64_t r = 0; r < n_rows; r++) rows[r] = fastln_ln_backward_to_f32(&sums[r], n_cols);
+    int64_t i = 0;
+    for (; i + 16 <= n_cols; i += 16) {
+        fastln_f16 dgamma16, dbeta16;
+        memcpy(&dgamma16, dgamma_acc + i, sizeof dgamma16);
+        memcpy(&dbeta16, dbeta_acc + i, sizeof dbeta16);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * n_cols + i;
+            const fastln_f16 dx16 = fastln_ln_backward_dx16_f32(
+                dy + at, x + at, gamma ? gamma + i : NULL, &rows[r], &dgamma16, &dbeta16);
+            memcpy(dx + at, &dx16, sizeof dx16);
+        }
+        memcpy(dgamma_acc + i, &dgamma16, sizeof dgamma16);
+        memcpy(dbeta_acc + i, &dbeta16, sizeof dbeta16);
+    }
+    for (; i < n_cols; i++)
+        for (int64_t r = 0; r < n_rows; r++)
+            dx[r * n_cols + i] = fastln_ln_backward_dx1_f32(
+                dy[r * n_cols + i], x[r * n_cols + i], gamma ? gamma + i : NULL, &rows[r],
+                dgamma_acc + i, dbeta_acc + i);
 }
 
 #endif /* FASTLN_LAYER_NORM_H */

@@ -257,16 +257,39 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate_double)(
 /* dx for eight elements, in double, returned; their dy * x_hat and dy are added to the
  * dgamma/dbeta accumulators (of type FASTLN_ACC_T). */
 FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_backward_dx8)(
-    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double mean,
-    double mean_correction, double rstd, double n, double sum_dxhat, double sum_dxhat_xhat,
-    FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma,
+    const fastln_ln_backward_sums *sums, double n, FASTLN_ACC_T *dgamma_acc,
+    FASTLN_ACC_T *dbeta_acc)
 {
     const fastln_d8 dy8 = FASTLN_LOAD8(dy);
-    const fastln_d8 x_hat = ((FASTLN_LOAD8(x) - mean) - mean_correction) * rstd;
+    const fastln_d8 x_hat = ((FASTLN_LOAD8(x) - sums->mean) - sums->mean_correction) * sums->rstd;
     const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
     FASTLN_ACC_STORE8(dgamma_acc, FASTLN_ACC_LOAD8(dgamma_acc) + dy8 * x_hat);
     FASTLN_ACC_STORE8(dbeta_acc, FASTLN_ACC_LOAD8(dbeta_acc) + dy8);
-    return (rstd / n) * ((n * dx_hat - sum_dxhat) - x_hat * sum_dxhat_xhat);
+    return (sums->rstd / n)
+           * ((n * dx_hat - sums->total_dxhat) - x_hat * sums->total_dxhat_xhat);
+}
+
+/* The double write pass for the last n_cols - i (< 8) elements of a row, on padded copies. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_tail_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t i,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
+    FASTLN_ACC_T *dbeta_acc)
+{
+    const int rest = (int)(n_cols - i);
+    FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
+    FASTLN_ACC_T dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
+    memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
+    memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+    if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+    memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(FASTLN_ACC_T));
+    memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(FASTLN_ACC_T));
+    FASTLN_STORE8(dx_tail, FASTLN_NAME(fastln_ln_backward_dx8)(
+        dy_tail, x_tail, gamma ? gamma_tail : NULL, sums, (double)n_cols, dgamma_tail,
+        dbeta_tail));
+    memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
+    memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(FASTLN_ACC_T));
+    memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(FASTLN_ACC_T));
 }
 
 /* The write pass of the backward, all in double: dx, and the dgamma/dbeta accumulators. With
@@ -274,10 +297,10 @@ FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_backward_dx8)(
  * float64. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_cols,
-    double mean, double mean_correction, double rstd, double total_dxhat,
-    double total_dxhat_xhat, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc, int streaming)
+    const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc,
+    int streaming)
 {
-    const double n = (double)n_cols;
+    const fastln_ln_backward_sums row = *sums;
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 8 <= n_cols; i += 8) {
@@ -286,30 +309,46 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
             __builtin_prefetch(x + n_cols + i, 0, 3);
         }
         const fastln_d8 dx8 = FASTLN_NAME(fastln_ln_backward_dx8)(
-            dy + i, x + i, gamma ? gamma + i : NULL, mean, mean_correction, rstd, n, total_dxhat,
-            total_dxhat_xhat, dgamma_acc + i, dbeta_acc + i);
+            dy + i, x + i, gamma ? gamma + i : NULL, &row, (double)n_cols, dgamma_acc + i,
+            dbeta_acc + i);
         if (stream_dx)
             FASTLN_STREAM8(dx + i, dx8);
         else
             FASTLN_STORE8(dx + i, dx8);
     }
     if (stream_dx) fastln_streaming_fence();
-    if (i < n_cols) {
-        const int rest = (int)(n_cols - i);
-        FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
-        FASTLN_ACC_T dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
-        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
-        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-        memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(FASTLN_ACC_T));
-        memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(FASTLN_ACC_T));
-        FASTLN_STORE8(dx_tail, FASTLN_NAME(fastln_ln_backward_dx8)(
-            dy_tail, x_tail, gamma ? gamma_tail : NULL, mean, mean_correction, rstd, n,
-            total_dxhat, total_dxhat_xhat, dgamma_tail, dbeta_tail));
-        memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
-        memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(FASTLN_ACC_T));
-        memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(FASTLN_ACC_T));
+    if (i < n_cols)
+        FASTLN_NAME(fastln_ln_backward_write_tail_double)(dy, x, gamma, dx, i, n_cols, &row,
+                                                          dgamma_acc, dbeta_acc);
+}
+
+/* The double write pass of n_rows consecutive rows together (fastln_layer_norm_backward_rows):
+ * each eight accumulators are loaded and stored once for the group, and the rows add to them in
+ * row order, as row after row would. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_rows_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
+    FASTLN_ACC_T *dbeta_acc)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n_cols; i += 8) {
+        FASTLN_ACC_T dgamma8[8], dbeta8[8];
+        memcpy(dgamma8, dgamma_acc + i, sizeof dgamma8);
+        memcpy(dbeta8, dbeta_acc + i, sizeof dbeta8);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * n_cols + i;
+            FASTLN_STORE8(dx + at, FASTLN_NAME(fastln_ln_backward_dx8)(
+                dy + at, x + at, gamma ? gamma + i : NULL, &sums[r], (double)n_cols, dgamma8,
+                dbeta8));
+        }
+        memcpy(dgamma_acc + i, dgamma8, sizeof dgamma8);
+        memcpy(dbeta_acc + i, dbeta8, sizeof dbeta8);
     }
+    if (i < n_cols)
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(fastln_ln_backward_write_tail_double)(
+                dy + r * n_cols, x + r * n_cols, gamma, dx + r * n_cols, i, n_cols, &sums[r],
+                dgamma_acc, dbeta_acc);
 }
 
 /* Backward of a row from its statistics taken again from x (fastln_ln_statistics), all in
@@ -429,26 +468,14 @@ static int FASTLN_NAME(fastln_ln_backward_products_underflow)(
            && largest_dxhat * largest_d < (double)n_cols * DBL_MIN;
 }
 
-/* Backward of one row, the lesson's two-reduction identity:
- *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma.
+/* The backward's first pass over a row: its sums in double, dx_hat = dy * gamma, d = x - mean.
  *
  * The row mean is re-derived from x in the same read as the two reductions, using the cached mean
  * as the shift: the cache may hold the mean rounded to float32, and (x - mean) with that rounded
- * mean would lose the digits that matter when |mean| >> std.
- *
- * eps is the forward's: rows whose cached rstd is Inf (beyond the cache's range) and rows whose
- * products overflow double are done from statistics taken again from x
- * (fastln_ln_backward_row_rare), outside the vector passes.
- *
- * dgamma_acc and dbeta_acc (FASTLN_ACC_T, n_cols) are added to: dgamma += dy * x_hat,
- * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). With streaming set, dx is
- * written with non-temporal stores (for outputs much larger than the cache). */
-FASTLN_DISPATCH
-static void FASTLN_NAME(fastln_layer_norm_backward_row)(
-    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
-    double mean, double rstd, double eps, FASTLN_T *dx, int64_t n_cols,
-    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc,
-    int streaming)
+ * mean would lose the digits that matter when |mean| >> std. */
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_first_pass)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double mean, double rstd,
+    int64_t n_cols, fastln_ln_backward_sums *sums)
 {
     fastln_d8 sum_dxhat[FASTLN_ACCUMULATORS] = {{0}};
     fastln_d8 sum_dxhat_d[FASTLN_ACCUMULATORS] = {{0}};
@@ -469,29 +496,94 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
         FASTLN_NAME(fastln_ln_backward_accumulate)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
                                                    mean, sum_dxhat, sum_dxhat_d, sum_d);
     }
+    sums->mean = mean;
+    sums->rstd = rstd;
+    sums->mean_correction = fastln_reduce(sum_d) / (double)n_cols;
+    sums->total_dxhat = fastln_reduce(sum_dxhat);
+    sums->total_dxhat_d = fastln_reduce(sum_dxhat_d);
+    sums->total_dxhat_xhat =
+        rstd * (sums->total_dxhat_d - sums->mean_correction * sums->total_dxhat);
+}
+
+/* Whether sum(dx_hat * d) may hold products that underflowed (float64 only: float32 ones,
+ * formed in double, cannot): their sum is below n * (n * DBL_MIN) then, which ordinary rows
+ * never are (all-zero dy aside). */
+FASTLN_INLINE int FASTLN_NAME(fastln_ln_backward_maybe_underflow)(
+    const fastln_ln_backward_sums *sums, int64_t n_cols)
+{
     const double n = (double)n_cols;
-    const double mean_correction = fastln_reduce(sum_d) / n;
-    const double total_dxhat = fastln_reduce(sum_dxhat);
-    const double total_dxhat_d = fastln_reduce(sum_dxhat_d);
-    const double total_dxhat_xhat = rstd * (total_dxhat_d - mean_correction * total_dxhat);
+    return sizeof(FASTLN_T) == sizeof(double) && fabs(sums->total_dxhat_d) < n * n * DBL_MIN;
+}
+
+/* Backward of one row, the lesson's two-reduction identity:
+ *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma,
+ * from the first pass's sums (fastln_ln_backward_first_pass), then the write pass.
+ *
+ * eps is the forward's: rows whose cached rstd is Inf (beyond the cache's range) and rows whose
+ * products overflow double are done from statistics taken again from x
+ * (fastln_ln_backward_row_rare), outside the vector passes.
+ *
+ * dgamma_acc and dbeta_acc (FASTLN_ACC_T, n_cols) are added to: dgamma += dy * x_hat,
+ * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). With streaming set, dx is
+ * written with non-temporal stores (for outputs much larger than the cache). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_layer_norm_backward_row)(
+    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
+    double mean, double rstd, double eps, FASTLN_T *dx, int64_t n_cols,
+    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc,
+    int streaming)
+{
+    fastln_ln_backward_sums sums;
+    FASTLN_NAME(fastln_ln_backward_first_pass)(dy, x, gamma, mean, rstd, n_cols, &sums);
     /* Not finite: an Inf rstd (a constant row with eps = 0, or beyond the cache's range), a
      * product that overflowed, or a NaN or Inf in the row. Rare. */
-    if (!isfinite(total_dxhat_xhat)
+    if (!isfinite(sums.total_dxhat_xhat)
         && FASTLN_NAME(fastln_ln_backward_row_rare)(dy, x, gamma, dx, n_cols, rstd, eps,
-                                                    total_dxhat, dgamma_acc, dbeta_acc))
+                                                    sums.total_dxhat, dgamma_acc, dbeta_acc))
         return;
-    /* Products that underflowed (float64 only: float32 ones, formed in double, cannot): their
-     * sum is below n * (n * DBL_MIN) then, which ordinary rows never are (all-zero dy aside). */
-    if (sizeof(FASTLN_T) == sizeof(double) && fabs(total_dxhat_d) < n * n * DBL_MIN
+    if (FASTLN_NAME(fastln_ln_backward_maybe_underflow)(&sums, n_cols)
         && !FASTLN_NAME(fastln_all_zero)(dy, n_cols)
         && FASTLN_NAME(fastln_ln_backward_products_underflow)(dy, x, gamma, mean, n_cols)) {
         FASTLN_NAME(fastln_ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc,
                                                        dbeta_acc);
         return;
     }
-    FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, mean, mean_correction,
-                                              rstd, total_dxhat, total_dxhat_xhat, dgamma_acc,
+    FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, &sums, dgamma_acc,
                                               dbeta_acc, streaming);
+}
+
+/* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows: each row's first pass, then
+ * one write pass over the group's columns (fastln_ln_backward_write_rows_*) that loads and
+ * stores each dgamma/dbeta accumulator once per group instead of once per row - that traffic
+ * was 40% of the time of a 768-wide float32 row in cache. Each element's arithmetic, and the
+ * order in which the rows add to an accumulator, are those of fastln_layer_norm_backward_row
+ * row after row: the results are the same bits. A group with a row that the vector write pass
+ * does not take as it is, or whose dx streams (rows from memory), goes row by row. mean and rstd
+ * are the group's entries of the cache; dx may be dy (in place). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_layer_norm_backward_rows)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *mean,
+    const FASTLN_T *rstd, double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols,
+    FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc, int streaming)
+{
+    fastln_ln_backward_sums sums[FASTLN_BACKWARD_GROUP];
+    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streaming;
+    for (int64_t r = 0; grouped && r < n_rows; r++) {
+        FASTLN_NAME(fastln_ln_backward_first_pass)(dy + r * n_cols, x + r * n_cols, gamma,
+                                                   mean[r], rstd[r], n_cols, &sums[r]);
+        grouped = isfinite(sums[r].total_dxhat_xhat)
+                  && !FASTLN_NAME(fastln_ln_backward_maybe_underflow)(&sums[r], n_cols)
+                  && FASTLN_NAME(fastln_ln_backward_in_vectors)(&sums[r]);
+    }
+    if (!grouped) {
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(fastln_layer_norm_backward_row)(
+                dy + r * n_cols, x + r * n_cols, gamma, mean[r], rstd[r], eps, dx + r * n_cols,
+                n_cols, dgamma_acc, dbeta_acc, streaming);
+        return;
+    }
+    FASTLN_NAME(fastln_ln_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, sums,
+                                               dgamma_acc, dbeta_acc);
 }
 
 /* dgamma/dbeta: add the per-block partial sums (n_blocks rows of n_cols doubles) in block order,

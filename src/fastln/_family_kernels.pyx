@@ -201,7 +201,7 @@ cdef extern from "fastln/batch_norm.h" nogil:
 # on the calling thread. Row-kernel backwards sum dgamma over blocks of at least
 # MIN_ROWS_PER_BLOCK rows, at most MAX_BLOCKS blocks: the layout depends only on n_rows.
 cdef enum:
-    MIN_ELEMENTS_FOR_THREADS = 65536
+    MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_ROWS_PER_BLOCK = 32
     MAX_BLOCKS = 64
 # BatchNorm: the segments layout (n_inner > 1) blocks the outer axis so that a block holds at

@@ -54,7 +54,7 @@ cdef extern from "fastln/rms_norm.h" nogil:
 # elements a call runs on the calling thread; backward sums dgamma/dbeta over blocks of at least
 # MIN_ROWS_PER_BLOCK rows, at most MAX_BLOCKS blocks (the layout depends only on n_rows).
 cdef enum:
-    MIN_ELEMENTS_FOR_THREADS = 65536
+    MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_ROWS_PER_BLOCK = 32
     MAX_BLOCKS = 64
 
