@@ -179,6 +179,35 @@ def test_row_at_every_memory_alignment(dtype, h, offset):
     assert_bitwise_equal(batch[5], expected, err_msg="in place")
 
 
+@pytest.mark.parametrize("h", [256, 1000, 1023])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_backward_at_every_output_alignment(dtype, h):
+    """The write passes start each row's vector stores on a cache line (the elements before it
+    go first, on their own): dx, dgamma and dbeta must be the same bits for dx at every offset
+    into a buffer (4/8-byte steps through every 64-byte alignment), in place too. h = 256 rows
+    are whole cache lines (the grouped pass splits them all alike), 1000 and 1023 are not."""
+    rng = np.random.default_rng(h + 1)
+    n = 37  # groups of 8 and a partial one
+    x = random_input(rng, (n, h), dtype, offset=1.5)
+    gamma, _ = random_params(rng, (h,), dtype)
+    dy = rng.standard_normal((n, h)).astype(dtype)
+    _, cache = fastln.layer_norm_forward(x, gamma)
+    dx0, dgamma0, dbeta0 = fastln.layer_norm_backward(dy, cache, gamma)
+    dx_row = fastln.layer_norm_backward(dy[9:10], fastln.layer_norm_forward(x[9:10], gamma)[1],
+                                        gamma)[0]
+    assert_bitwise_equal(dx_row[0], dx0[9], err_msg="row alone")
+    out_buf = np.empty(n * h + 32, dtype)
+    for offset in range(17):
+        out = out_buf[offset:offset + n * h].reshape(n, h)
+        dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, gamma, out=out)
+        assert_bitwise_equal(dx, dx0, err_msg=f"dx at offset {offset}")
+        assert_bitwise_equal(dgamma, dgamma0, err_msg=f"dgamma at offset {offset}")
+        assert_bitwise_equal(dbeta, dbeta0, err_msg=f"dbeta at offset {offset}")
+        out[...] = dy  # in place: dx overwrites dy at this alignment
+        dx_in = fastln.layer_norm_backward(out, cache, gamma, out=out)[0]
+        assert_bitwise_equal(dx_in, dx0, err_msg=f"in place at offset {offset}")
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_layout_does_not_change_the_bits(big_inputs, dtype, layout):

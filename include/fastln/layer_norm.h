@@ -12,9 +12,11 @@
 
 /* A row's backward sums from its first pass (fastln_ln_backward_first_pass_*), in double:
  * sum(dx_hat), sum(dx_hat * d) with d = x - mean, and the two that the write pass takes,
- * mean(d) (the correction to the cache's mean) and sum(dx_hat * x_hat). */
+ * mean(d) (the correction to the cache's mean) and sum(dx_hat * x_hat); n_cols is the row's
+ * length (the write pass may be given a piece of the row). */
 typedef struct {
     double mean, rstd, mean_correction, total_dxhat, total_dxhat_d, total_dxhat_xhat;
+    int64_t n_cols;
 } fastln_ln_backward_sums;
 
 /* The write pass of a row, per element type (the forward calls fastln_ln_write_row_*). */
@@ -44,10 +46,11 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
  * row's sums let it take one. */
 FASTLN_INLINE void fastln_ln_backward_write_rows_f32(
     const float *dy, const float *x, const float *gamma, float *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc);
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
+    float *dbeta_acc);
 FASTLN_INLINE void fastln_ln_backward_write_rows_f64(
     const double *dy, const double *x, const double *gamma, double *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_ln_backward_sums *sums, double *dgamma_acc,
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, double *dgamma_acc,
     double *dbeta_acc);
 FASTLN_INLINE int fastln_ln_backward_in_vectors_f32(const fastln_ln_backward_sums *sums);
 FASTLN_INLINE int fastln_ln_backward_in_vectors_f64(const fastln_ln_backward_sums *sums);
@@ -150,10 +153,11 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f64(
 
 FASTLN_INLINE void fastln_ln_backward_write_rows_f64(
     const double *dy, const double *x, const double *gamma, double *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_ln_backward_sums *sums, double *dgamma_acc, double *dbeta_acc)
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, double *dgamma_acc,
+    double *dbeta_acc)
 {
-    fastln_ln_backward_write_rows_double_f64(dy, x, gamma, dx, n_rows, n_cols, sums, dgamma_acc,
-                                             dbeta_acc);
+    fastln_ln_backward_write_rows_double_f64(dy, x, gamma, dx, n_rows, stride, width, sums,
+                                             dgamma_acc, dbeta_acc);
 }
 
 FASTLN_INLINE int fastln_ln_backward_in_vectors_f64(const fastln_ln_backward_sums *sums)
@@ -177,15 +181,15 @@ FASTLN_INLINE int fastln_ln_backward_in_vectors_f32(const fastln_ln_backward_sum
     return sums->rstd > 1e-30 && sums->rstd < 1e30;
 }
 
-FASTLN_INLINE fastln_ln_backward_f32 fastln_ln_backward_to_f32(const fastln_ln_backward_sums *sums,
-                                                             int64_t n_cols)
+FASTLN_INLINE fastln_ln_backward_f32 fastln_ln_backward_to_f32(const fastln_ln_backward_sums *sums)
 {
+    const double n = (double)sums->n_cols;
     fastln_ln_backward_f32 row;
     row.mean_head = (float)sums->mean; /* mean is a float32 value already (the cache's) */
     row.mean_tail = (float)sums->mean_correction;
     row.rstd = (float)sums->rstd;
-    row.mean_dxhat = (float)(sums->total_dxhat / (double)n_cols);
-    row.mean_dxhat_xhat = (float)(sums->total_dxhat_xhat / (double)n_cols);
+    row.mean_dxhat = (float)(sums->total_dxhat / n);
+    row.mean_dxhat_xhat = (float)(sums->total_dxhat_xhat / n);
     return row;
 }
 
@@ -228,7 +232,7 @@ FASTLN_INLINE void fastln_ln_backward_write_row_f32(
                                                 dbeta_acc, 0);
         return;
     }
-    const fastln_ln_backward_f32 row = fastln_ln_backward_to_f32(sums, n_cols);
+    const fastln_ln_backward_f32 row = fastln_ln_backward_to_f32(sums);
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + 16 <= n_cols; i += 16) {
@@ -335,22 +339,23 @@ FASTLN_INLINE void fastln_ln_write_row_f32(
     }
 }
 
-/* The float32 write pass of n_rows consecutive rows together (fastln_layer_norm_backward_rows):
- * each sixteen accumulators are loaded and stored once for the group, and the rows add to them
- * in row order, as row after row would. */
+/* The float32 write pass of n_rows consecutive rows together (fastln_layer_norm_backward_rows),
+ * over width columns of rows stride elements apart: each sixteen accumulators are loaded and
+ * stored once for the group, and the rows add to them in row order, as row after row would. */
 FASTLN_INLINE void fastln_ln_backward_write_rows_f32(
     const float *dy, const float *x, const float *gamma, float *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc)
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
+    float *dbeta_acc)
 {
     fastln_ln_backward_f32 rows[FASTLN_BACKWARD_GROUP];
-    for (int64_t r = 0; r < n_rows; r++) rows[r] = fastln_ln_backward_to_f32(&sums[r], n_cols);
+    for (int64_t r = 0; r < n_rows; r++) rows[r] = fastln_ln_backward_to_f32(&sums[r]);
     int64_t i = 0;
-    for (; i + 16 <= n_cols; i += 16) {
+    for (; i + 16 <= width; i += 16) {
         fastln_f16 dgamma16, dbeta16;
         memcpy(&dgamma16, dgamma_acc + i, sizeof dgamma16);
         memcpy(&dbeta16, dbeta_acc + i, sizeof dbeta16);
         for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t at = r * n_cols + i;
+            const int64_t at = r * stride + i;
             const fastln_f16 dx16 = fastln_ln_backward_dx16_f32(
                 dy + at, x + at, gamma ? gamma + i : NULL, &rows[r], &dgamma16, &dbeta16);
             memcpy(dx + at, &dx16, sizeof dx16);
@@ -358,10 +363,10 @@ FASTLN_INLINE void fastln_ln_backward_write_rows_f32(
         memcpy(dgamma_acc + i, &dgamma16, sizeof dgamma16);
         memcpy(dbeta_acc + i, &dbeta16, sizeof dbeta16);
     }
-    for (; i < n_cols; i++)
+    for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++)
-            dx[r * n_cols + i] = fastln_ln_backward_dx1_f32(
-                dy[r * n_cols + i], x[r * n_cols + i], gamma ? gamma + i : NULL, &rows[r],
+            dx[r * stride + i] = fastln_ln_backward_dx1_f32(
+                dy[r * stride + i], x[r * stride + i], gamma ? gamma + i : NULL, &rows[r],
                 dgamma_acc + i, dbeta_acc + i);
 }
 

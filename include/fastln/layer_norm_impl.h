@@ -233,8 +233,15 @@ static void FASTLN_NAME(fastln_layer_norm_forward_row)(
      * (y = beta), not 0 * inf = NaN. The cache still reports rstd = inf. */
     const double x_hat_scale = stats.var + eps == 0.0 ? 0.0 : stats.rstd;
 
-    FASTLN_NAME(fastln_ln_write_row)(x, gamma, beta, y, n_cols, stats.shift, stats.mean_shifted,
-                                     x_hat_scale, streaming);
+    /* In two pieces: the elements up to y's next cache line, then the rest, whose vector stores
+     * are whole lines (fastln_elements_to_line). Elementwise: the same bits whatever the split. */
+    const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
+    if (head > 0)
+        FASTLN_NAME(fastln_ln_write_row)(x, gamma, beta, y, head, stats.shift,
+                                         stats.mean_shifted, x_hat_scale, 0);
+    FASTLN_NAME(fastln_ln_write_row)(x + head, gamma ? gamma + head : NULL,
+                                     beta ? beta + head : NULL, y + head, n_cols - head,
+                                     stats.shift, stats.mean_shifted, x_hat_scale, streaming);
 }
 
 /* Backward sums over FASTLN_BLOCK elements, all in double: dx_hat = dy * gamma, d = x - mean. */
@@ -258,9 +265,9 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_accumulate_double)(
  * dgamma/dbeta accumulators (of type FASTLN_ACC_T). */
 FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_backward_dx8)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma,
-    const fastln_ln_backward_sums *sums, double n, FASTLN_ACC_T *dgamma_acc,
-    FASTLN_ACC_T *dbeta_acc)
+    const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
 {
+    const double n = (double)sums->n_cols;
     const fastln_d8 dy8 = FASTLN_LOAD8(dy);
     const fastln_d8 x_hat = ((FASTLN_LOAD8(x) - sums->mean) - sums->mean_correction) * sums->rstd;
     const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
@@ -270,13 +277,14 @@ FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_backward_dx8)(
            * ((n * dx_hat - sums->total_dxhat) - x_hat * sums->total_dxhat_xhat);
 }
 
-/* The double write pass for the last n_cols - i (< 8) elements of a row, on padded copies. */
+/* The double write pass for the elements from i to end (fewer than 8) of a row, on padded
+ * copies. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_tail_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t i,
-    int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
+    int64_t end, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
     FASTLN_ACC_T *dbeta_acc)
 {
-    const int rest = (int)(n_cols - i);
+    const int rest = (int)(end - i);
     FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
     FASTLN_ACC_T dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
     memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
@@ -285,8 +293,7 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_tail_double)(
     memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(FASTLN_ACC_T));
     memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(FASTLN_ACC_T));
     FASTLN_STORE8(dx_tail, FASTLN_NAME(fastln_ln_backward_dx8)(
-        dy_tail, x_tail, gamma ? gamma_tail : NULL, sums, (double)n_cols, dgamma_tail,
-        dbeta_tail));
+        dy_tail, x_tail, gamma ? gamma_tail : NULL, sums, dgamma_tail, dbeta_tail));
     memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
     memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(FASTLN_ACC_T));
     memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(FASTLN_ACC_T));
@@ -309,8 +316,7 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
             __builtin_prefetch(x + n_cols + i, 0, 3);
         }
         const fastln_d8 dx8 = FASTLN_NAME(fastln_ln_backward_dx8)(
-            dy + i, x + i, gamma ? gamma + i : NULL, &row, (double)n_cols, dgamma_acc + i,
-            dbeta_acc + i);
+            dy + i, x + i, gamma ? gamma + i : NULL, &row, dgamma_acc + i, dbeta_acc + i);
         if (stream_dx)
             FASTLN_STREAM8(dx + i, dx8);
         else
@@ -322,32 +328,31 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_row_double)(
                                                           dgamma_acc, dbeta_acc);
 }
 
-/* The double write pass of n_rows consecutive rows together (fastln_layer_norm_backward_rows):
- * each eight accumulators are loaded and stored once for the group, and the rows add to them in
- * row order, as row after row would. */
+/* The double write pass of n_rows consecutive rows together (fastln_layer_norm_backward_rows),
+ * over width columns of rows stride elements apart: each eight accumulators are loaded and
+ * stored once for the group, and the rows add to them in row order, as row after row would. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_rows_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
-    FASTLN_ACC_T *dbeta_acc)
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums,
+    FASTLN_ACC_T *dgamma_acc, FASTLN_ACC_T *dbeta_acc)
 {
     int64_t i = 0;
-    for (; i + 8 <= n_cols; i += 8) {
+    for (; i + 8 <= width; i += 8) {
         FASTLN_ACC_T dgamma8[8], dbeta8[8];
         memcpy(dgamma8, dgamma_acc + i, sizeof dgamma8);
         memcpy(dbeta8, dbeta_acc + i, sizeof dbeta8);
         for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t at = r * n_cols + i;
+            const int64_t at = r * stride + i;
             FASTLN_STORE8(dx + at, FASTLN_NAME(fastln_ln_backward_dx8)(
-                dy + at, x + at, gamma ? gamma + i : NULL, &sums[r], (double)n_cols, dgamma8,
-                dbeta8));
+                dy + at, x + at, gamma ? gamma + i : NULL, &sums[r], dgamma8, dbeta8));
         }
         memcpy(dgamma_acc + i, dgamma8, sizeof dgamma8);
         memcpy(dbeta_acc + i, dbeta8, sizeof dbeta8);
     }
-    if (i < n_cols)
+    if (i < width)
         for (int64_t r = 0; r < n_rows; r++)
             FASTLN_NAME(fastln_ln_backward_write_tail_double)(
-                dy + r * n_cols, x + r * n_cols, gamma, dx + r * n_cols, i, n_cols, &sums[r],
+                dy + r * stride, x + r * stride, gamma, dx + r * stride, i, width, &sums[r],
                 dgamma_acc, dbeta_acc);
 }
 
@@ -498,6 +503,7 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_first_pass)(
     }
     sums->mean = mean;
     sums->rstd = rstd;
+    sums->n_cols = n_cols;
     sums->mean_correction = fastln_reduce(sum_d) / (double)n_cols;
     sums->total_dxhat = fastln_reduce(sum_dxhat);
     sums->total_dxhat_d = fastln_reduce(sum_dxhat_d);
@@ -548,8 +554,16 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
                                                        dbeta_acc);
         return;
     }
-    FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, n_cols, &sums, dgamma_acc,
-                                              dbeta_acc, streaming);
+    /* In two pieces: the elements up to dx's next cache line, then the rest, whose vector
+     * stores are whole lines (fastln_elements_to_line). The pass is elementwise: the same bits
+     * whatever the split. */
+    const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
+    if (head > 0)
+        FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, head, &sums, dgamma_acc,
+                                                  dbeta_acc, 0);
+    FASTLN_NAME(fastln_ln_backward_write_row)(dy + head, x + head, gamma ? gamma + head : NULL,
+                                              dx + head, n_cols - head, &sums, dgamma_acc + head,
+                                              dbeta_acc + head, streaming);
 }
 
 /* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows: each row's first pass, then
@@ -582,8 +596,16 @@ static void FASTLN_NAME(fastln_layer_norm_backward_rows)(
                 n_cols, dgamma_acc, dbeta_acc, streaming);
         return;
     }
-    FASTLN_NAME(fastln_ln_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, sums,
-                                               dgamma_acc, dbeta_acc);
+    /* The columns up to dx's next cache line first, as the single-row pass does; the rows all
+     * start at the same offset from a line only when a row is a whole number of lines. */
+    const int64_t head = n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
+                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    if (head > 0)
+        FASTLN_NAME(fastln_ln_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, sums,
+                                                   dgamma_acc, dbeta_acc);
+    FASTLN_NAME(fastln_ln_backward_write_rows)(
+        dy + head, x + head, gamma ? gamma + head : NULL, dx + head, n_rows, n_cols,
+        n_cols - head, sums, dgamma_acc + head, dbeta_acc + head);
 }
 
 /* dgamma/dbeta: add the per-block partial sums (n_blocks rows of n_cols doubles) in block order,
