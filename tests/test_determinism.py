@@ -208,6 +208,27 @@ def test_backward_at_every_output_alignment(dtype, h):
         assert_bitwise_equal(dx_in, dx0, err_msg=f"in place at offset {offset}")
 
 
+@pytest.mark.parametrize("h", [256, 1000, 1023])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_rms_norm_at_every_output_alignment(dtype, h):
+    """RMSNorm's write passes split each row at the output's first cache line as LayerNorm's
+    do: y, dx and dgamma must be the same bits for the output at every offset into a buffer."""
+    rng = np.random.default_rng(h + 2)
+    n = 21
+    x = random_input(rng, (n, h), dtype, offset=0.5)
+    gamma, _ = random_params(rng, (h,), dtype)
+    dy = rng.standard_normal((n, h)).astype(dtype)
+    y0, cache = fastln.rms_norm_forward(x, gamma)
+    dx0, dgamma0 = fastln.rms_norm_backward(dy, cache, gamma)
+    out_buf = np.empty(n * h + 32, dtype)
+    for offset in range(17):
+        out = out_buf[offset:offset + n * h].reshape(n, h)
+        assert_bitwise_equal(fastln.rms_norm(x, gamma, out=out), y0, err_msg=f"y at {offset}")
+        dx, dgamma = fastln.rms_norm_backward(dy, cache, gamma, out=out)
+        assert_bitwise_equal(dx, dx0, err_msg=f"dx at offset {offset}")
+        assert_bitwise_equal(dgamma, dgamma0, err_msg=f"dgamma at offset {offset}")
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_layout_does_not_change_the_bits(big_inputs, dtype, layout):

@@ -1,8 +1,11 @@
 /* Template body of layer_norm.h, instantiated per element type by fastln/instantiate.h (which
  * lists the macros it defines). No include guard on purpose.
  *
- * A row's last (n_cols % 8 or % 32) elements go through the same vector code on a small padded
- * copy, with padding chosen to add exactly zero to every sum, so there is no scalar path. */
+ * The sums take a row's last (n_cols % 32) elements through the same vector code on a small
+ * padded copy, with padding chosen to add exactly zero, so their order depends on n_cols alone.
+ * The write passes are elementwise: the elements they do not store as whole vectors (before the
+ * output's first cache line, after the last whole chunk) get each lane's arithmetic one at a
+ * time, which rounds exactly as the vector lanes do. */
 
 /* sum += d and sumsq += d * d over FASTLN_BLOCK elements, d = x - shift. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_accumulate)(
@@ -113,15 +116,11 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_write_row_double)(
             x + i, gamma ? gamma + i : NULL, beta ? beta + i : NULL, shift, mean_shifted, rstd));
     }
     (void)streaming; /* only the float64 specialisation in layer_norm.h streams */
-    if (i < n_cols) {
-        const int rest = (int)(n_cols - i);
-        FASTLN_T x_tail[8] = {0}, gamma_tail[8] = {0}, beta_tail[8] = {0}, y_tail[8];
-        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-        if (beta) memcpy(beta_tail, beta + i, rest * sizeof(FASTLN_T));
-        FASTLN_STORE8(y_tail, FASTLN_NAME(fastln_ln_output8)(
-            x_tail, gamma ? gamma_tail : NULL, beta ? beta_tail : NULL, shift, mean_shifted, rstd));
-        memcpy(y + i, y_tail, rest * sizeof(FASTLN_T));
+    for (; i < n_cols; i++) { /* the last n_cols % 8: each lane's arithmetic, one at a time */
+        double out = (((double)x[i] - shift) - mean_shifted) * rstd;
+        if (gamma) out *= (double)gamma[i];
+        if (beta) out += (double)beta[i];
+        y[i] = (FASTLN_T)out;
     }
 }
 
@@ -277,26 +276,23 @@ FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_ln_backward_dx8)(
            * ((n * dx_hat - sums->total_dxhat) - x_hat * sums->total_dxhat_xhat);
 }
 
-/* The double write pass for the elements from i to end (fewer than 8) of a row, on padded
- * copies. */
+/* The double write pass for the elements from i to end (fewer than 8) of a row: each lane's
+ * arithmetic of fastln_ln_backward_dx8, one element at a time. */
 FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_write_tail_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t i,
     int64_t end, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
     FASTLN_ACC_T *dbeta_acc)
 {
-    const int rest = (int)(end - i);
-    FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
-    FASTLN_ACC_T dgamma_tail[8] = {0}, dbeta_tail[8] = {0};
-    memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
-    memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-    if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-    memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(FASTLN_ACC_T));
-    memcpy(dbeta_tail, dbeta_acc + i, rest * sizeof(FASTLN_ACC_T));
-    FASTLN_STORE8(dx_tail, FASTLN_NAME(fastln_ln_backward_dx8)(
-        dy_tail, x_tail, gamma ? gamma_tail : NULL, sums, dgamma_tail, dbeta_tail));
-    memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
-    memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(FASTLN_ACC_T));
-    memcpy(dbeta_acc + i, dbeta_tail, rest * sizeof(FASTLN_ACC_T));
+    const double n = (double)sums->n_cols;
+    for (; i < end; i++) {
+        const double dy_i = (double)dy[i];
+        const double x_hat = (((double)x[i] - sums->mean) - sums->mean_correction) * sums->rstd;
+        const double dx_hat = gamma ? dy_i * (double)gamma[i] : dy_i;
+        dgamma_acc[i] = (FASTLN_ACC_T)((double)dgamma_acc[i] + dy_i * x_hat);
+        dbeta_acc[i] = (FASTLN_ACC_T)((double)dbeta_acc[i] + dy_i);
+        dx[i] = (FASTLN_T)((sums->rstd / n)
+                           * ((n * dx_hat - sums->total_dxhat) - x_hat * sums->total_dxhat_xhat));
+    }
 }
 
 /* The write pass of the backward, all in double: dx, and the dgamma/dbeta accumulators. With

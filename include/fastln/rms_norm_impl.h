@@ -1,9 +1,10 @@
 /* Template body of rms_norm.h, instantiated per element type by fastln/instantiate.h (which
  * lists the macros it defines). No include guard on purpose.
  *
- * Like layer_norm_impl.h, a row's last (n_cols % 32 or % 8) elements go through the same vector
- * code on a small zero-padded copy (zeros add exactly nothing to a sum), so there is no scalar
- * path and each sum's order depends on n_cols alone. */
+ * Like layer_norm_impl.h, the sums take a row's last (n_cols % 32) elements through the same
+ * vector code on a small zero-padded copy (zeros add exactly nothing to a sum), so each sum's
+ * order depends on n_cols alone; the elementwise write passes do the elements outside whole
+ * vectors one at a time, with each lane's arithmetic. */
 
 /* sumsq += (x * scale)^2 over FASTLN_BLOCK elements. scale is 1 except on the overflow path. */
 FASTLN_INLINE void FASTLN_NAME(fastln_rms_accumulate)(
@@ -105,6 +106,21 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_write8)(
     FASTLN_STORE8(y, out);
 }
 
+/* y = gamma * (x * x_scale) for n elements (a row, or a piece of one): whole chunks of eight,
+ * then the rest one by one. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_write_row)(
+    const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *y, int64_t n, double x_scale)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        FASTLN_NAME(fastln_rms_write8)(x + i, gamma ? gamma + i : NULL, y + i, x_scale);
+    for (; i < n; i++) { /* the last n % 8: each lane's arithmetic, one at a time */
+        double out = (double)x[i] * x_scale;
+        if (gamma) out *= (double)gamma[i];
+        y[i] = (FASTLN_T)out;
+    }
+}
+
 /* Forward of one row of n_cols elements: one read for the sum of squares, then y is written in
  * a second pass while the row is still in cache.
  *
@@ -132,17 +148,12 @@ static void FASTLN_NAME(fastln_rms_norm_forward_row)(
     /* rstd = Inf here only for an all-zero row with eps = 0: x_hat is defined as 0 there (as
      * LayerNorm does for a constant row), not 0 * Inf = NaN. */
     const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
-    int64_t i = 0;
-    for (; i + 8 <= n_cols; i += 8)
-        FASTLN_NAME(fastln_rms_write8)(x + i, gamma ? gamma + i : NULL, y + i, x_scale);
-    if (i < n_cols) {
-        const size_t rest = (size_t)(n_cols - i);
-        FASTLN_T x_tail[8] = {0}, gamma_tail[8] = {0}, y_tail[8];
-        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-        FASTLN_NAME(fastln_rms_write8)(x_tail, gamma ? gamma_tail : NULL, y_tail, x_scale);
-        memcpy(y + i, y_tail, rest * sizeof(FASTLN_T));
-    }
+    /* The elements up to y's next cache line first, then whole-line stores
+     * (fastln_elements_to_line); elementwise, so the same bits whatever the split. */
+    const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
+    FASTLN_NAME(fastln_rms_write_row)(x, gamma, y, head, x_scale);
+    FASTLN_NAME(fastln_rms_write_row)(x + head, gamma ? gamma + head : NULL, y + head,
+                                      n_cols - head, x_scale);
 }
 
 /* sum(dx_hat * x_hat) over FASTLN_BLOCK elements, dx_hat = dy * gamma, x_hat = x * x_scale. */
@@ -169,6 +180,25 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write8)(
     const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
     fastln_store8_f64(dgamma_acc, fastln_load8_f64(dgamma_acc) + dy8 * x_hat);
     FASTLN_STORE8(dx, rstd * (dx_hat - x_hat * mean_dxhat_xhat));
+}
+
+/* The backward's write pass over n elements (a row, or a piece of one): whole chunks of eight,
+ * then the rest one by one. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write_row)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n,
+    double rstd, double x_scale, double mean_dxhat_xhat, double *dgamma_acc)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        FASTLN_NAME(fastln_rms_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
+                                                rstd, x_scale, mean_dxhat_xhat, dgamma_acc + i);
+    for (; i < n; i++) { /* the last n % 8: each lane's arithmetic, one at a time */
+        const double dy_i = (double)dy[i];
+        const double x_hat = (double)x[i] * x_scale;
+        const double dx_hat = gamma ? dy_i * (double)gamma[i] : dy_i;
+        dgamma_acc[i] += dy_i * x_hat;
+        dx[i] = (FASTLN_T)(rstd * (dx_hat - x_hat * mean_dxhat_xhat));
+    }
 }
 
 /* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is beyond
@@ -247,22 +277,11 @@ static void FASTLN_NAME(fastln_rms_norm_backward_row)(
                                                     x_scale, sum_dxhat_xhat);
     }
     const double mean_dxhat_xhat = fastln_reduce(sum_dxhat_xhat) / (double)n_cols;
-
-    for (i = 0; i + 8 <= n_cols; i += 8)
-        FASTLN_NAME(fastln_rms_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
-                                                rstd, x_scale, mean_dxhat_xhat, dgamma_acc + i);
-    if (i < n_cols) {
-        const size_t rest = (size_t)(n_cols - i);
-        FASTLN_T dy_tail[8] = {0}, x_tail[8] = {0}, gamma_tail[8] = {0}, dx_tail[8];
-        double dgamma_tail[8] = {0};
-        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
-        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-        memcpy(dgamma_tail, dgamma_acc + i, rest * sizeof(double));
-        FASTLN_NAME(fastln_rms_backward_write8)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
-                                                dx_tail, rstd, x_scale, mean_dxhat_xhat,
-                                                dgamma_tail);
-        memcpy(dx + i, dx_tail, rest * sizeof(FASTLN_T));
-        memcpy(dgamma_acc + i, dgamma_tail, rest * sizeof(double));
-    }
+    /* The elements up to dx's next cache line first, then whole-line stores, as the forward. */
+    const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
+    FASTLN_NAME(fastln_rms_backward_write_row)(dy, x, gamma, dx, head, rstd, x_scale,
+                                               mean_dxhat_xhat, dgamma_acc);
+    FASTLN_NAME(fastln_rms_backward_write_row)(dy + head, x + head, gamma ? gamma + head : NULL,
+                                               dx + head, n_cols - head, rstd, x_scale,
+                                               mean_dxhat_xhat, dgamma_acc + head);
 }
