@@ -210,7 +210,7 @@ FASTLN_INLINE fastln_f16 fastln_ln_backward_dx16_f32(
     return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
 }
 
-/* The same for one element (the last n_cols % 16). */
+/* The same for one element (those outside whole chunks of sixteen). */
 FASTLN_INLINE float fastln_ln_backward_dx1_f32(
     float dy, float x, const float *gamma, const fastln_ln_backward_f32 *row, float *dgamma,
     float *dbeta)
@@ -222,7 +222,8 @@ FASTLN_INLINE float fastln_ln_backward_dx1_f32(
     return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
 }
 
-/* With streaming set (and dx aligned), dx goes out with non-temporal stores. */
+/* The float32 write pass over n_cols elements of a row (the row, or a piece of it). With
+ * streaming set (and dx aligned), dx goes out with non-temporal stores. */
 FASTLN_INLINE void fastln_ln_backward_write_row_f32(
     const float *dy, const float *x, const float *gamma, float *dx, int64_t n_cols,
     const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc, int streaming)
