@@ -511,41 +511,38 @@ FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_first_pass)(
  * formed in double, cannot): their sum is below n * (n * DBL_MIN) then, which ordinary rows
  * never are (all-zero dy aside). */
 FASTLN_INLINE int FASTLN_NAME(fastln_ln_backward_maybe_underflow)(
-    const fastln_ln_backward_sums *sums, int64_t n_cols)
+    const fastln_ln_backward_sums *sums)
 {
-    const double n = (double)n_cols;
+    const double n = (double)sums->n_cols;
     return sizeof(FASTLN_T) == sizeof(double) && fabs(sums->total_dxhat_d) < n * n * DBL_MIN;
 }
 
-/* Backward of one row, the lesson's two-reduction identity:
- *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma,
- * from the first pass's sums (fastln_ln_backward_first_pass), then the write pass.
+/* Backward of one row from its first pass's sums (fastln_ln_backward_first_pass), by the lesson's
+ * two-reduction identity:
+ *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma.
  *
  * eps is the forward's: rows whose cached rstd is Inf (beyond the cache's range) and rows whose
- * products overflow double are done from statistics taken again from x
- * (fastln_ln_backward_row_rare), outside the vector passes.
+ * products overflow or underflow double are done from statistics taken again from x
+ * (fastln_ln_backward_row_rare, fastln_ln_backward_row_recomputed), outside the vector passes.
  *
  * dgamma_acc and dbeta_acc (FASTLN_ACC_T, n_cols) are added to: dgamma += dy * x_hat,
  * dbeta += dy. dx may be dy itself (in place). gamma may be NULL (ones). With streaming set, dx is
  * written with non-temporal stores (for outputs much larger than the cache). */
-FASTLN_DISPATCH
-static void FASTLN_NAME(fastln_layer_norm_backward_row)(
-    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
-    double mean, double rstd, double eps, FASTLN_T *dx, int64_t n_cols,
-    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc,
-    int streaming)
+FASTLN_INLINE void FASTLN_NAME(fastln_ln_backward_row_from_sums)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double eps, FASTLN_T *dx,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_ACC_T *dgamma_acc,
+    FASTLN_ACC_T *dbeta_acc, int streaming)
 {
-    fastln_ln_backward_sums sums;
-    FASTLN_NAME(fastln_ln_backward_first_pass)(dy, x, gamma, mean, rstd, n_cols, &sums);
     /* Not finite: an Inf rstd (a constant row with eps = 0, or beyond the cache's range), a
      * product that overflowed, or a NaN or Inf in the row. Rare. */
-    if (!isfinite(sums.total_dxhat_xhat)
-        && FASTLN_NAME(fastln_ln_backward_row_rare)(dy, x, gamma, dx, n_cols, rstd, eps,
-                                                    sums.total_dxhat, dgamma_acc, dbeta_acc))
+    if (!isfinite(sums->total_dxhat_xhat)
+        && FASTLN_NAME(fastln_ln_backward_row_rare)(dy, x, gamma, dx, n_cols, sums->rstd, eps,
+                                                    sums->total_dxhat, dgamma_acc, dbeta_acc))
         return;
-    if (FASTLN_NAME(fastln_ln_backward_maybe_underflow)(&sums, n_cols)
+    if (FASTLN_NAME(fastln_ln_backward_maybe_underflow)(sums)
         && !FASTLN_NAME(fastln_all_zero)(dy, n_cols)
-        && FASTLN_NAME(fastln_ln_backward_products_underflow)(dy, x, gamma, mean, n_cols)) {
+        && FASTLN_NAME(fastln_ln_backward_products_underflow)(dy, x, gamma, sums->mean,
+                                                                n_cols)) {
         FASTLN_NAME(fastln_ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc,
                                                        dbeta_acc);
         return;
@@ -555,10 +552,10 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
      * whatever the split. */
     const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
     if (head > 0)
-        FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, head, &sums, dgamma_acc,
+        FASTLN_NAME(fastln_ln_backward_write_row)(dy, x, gamma, dx, head, sums, dgamma_acc,
                                                   dbeta_acc, 0);
     FASTLN_NAME(fastln_ln_backward_write_row)(dy + head, x + head, gamma ? gamma + head : NULL,
-                                              dx + head, n_cols - head, &sums, dgamma_acc + head,
+                                              dx + head, n_cols - head, sums, dgamma_acc + head,
                                               dbeta_acc + head, streaming);
 }
 
@@ -566,10 +563,11 @@ static void FASTLN_NAME(fastln_layer_norm_backward_row)(
  * one write pass over the group's columns (fastln_ln_backward_write_rows_*) that loads and
  * stores each dgamma/dbeta accumulator once per group instead of once per row - that traffic
  * was 40% of the time of a 768-wide float32 row in cache. Each element's arithmetic, and the
- * order in which the rows add to an accumulator, are those of fastln_layer_norm_backward_row
- * row after row: the results are the same bits. A group with a row that the vector write pass
- * does not take as it is, or whose dx streams (rows from memory), goes row by row. mean and rstd
- * are the group's entries of the cache; dx may be dy (in place). */
+ * order in which the rows add to an accumulator, are those of the single-row pass
+ * (fastln_ln_backward_row_from_sums) row after row: the results are the same bits. A group with
+ * a row that the vector write pass does not take as it is, or whose dx streams (rows from
+ * memory), goes row by row, keeping the first passes already taken. mean and rstd are the
+ * group's entries of the cache; dx may be dy (in place). */
 FASTLN_DISPATCH
 static void FASTLN_NAME(fastln_layer_norm_backward_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *mean,
@@ -578,18 +576,27 @@ static void FASTLN_NAME(fastln_layer_norm_backward_rows)(
 {
     fastln_ln_backward_sums sums[FASTLN_BACKWARD_GROUP];
     int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streaming;
-    for (int64_t r = 0; grouped && r < n_rows; r++) {
+    int64_t n_summed = 0;
+    for (; grouped && n_summed < n_rows; n_summed++) {
+        const int64_t r = n_summed;
         FASTLN_NAME(fastln_ln_backward_first_pass)(dy + r * n_cols, x + r * n_cols, gamma,
                                                    mean[r], rstd[r], n_cols, &sums[r]);
         grouped = isfinite(sums[r].total_dxhat_xhat)
-                  && !FASTLN_NAME(fastln_ln_backward_maybe_underflow)(&sums[r], n_cols)
+                  && !FASTLN_NAME(fastln_ln_backward_maybe_underflow)(&sums[r])
                   && FASTLN_NAME(fastln_ln_backward_in_vectors)(&sums[r]);
     }
     if (!grouped) {
-        for (int64_t r = 0; r < n_rows; r++)
-            FASTLN_NAME(fastln_layer_norm_backward_row)(
-                dy + r * n_cols, x + r * n_cols, gamma, mean[r], rstd[r], eps, dx + r * n_cols,
-                n_cols, dgamma_acc, dbeta_acc, streaming);
+        for (int64_t r = 0; r < n_rows; r++) {
+            fastln_ln_backward_sums row_sums;
+            const fastln_ln_backward_sums *row = r < n_summed ? &sums[r] : &row_sums;
+            if (r >= n_summed)
+                FASTLN_NAME(fastln_ln_backward_first_pass)(dy + r * n_cols, x + r * n_cols,
+                                                           gamma, mean[r], rstd[r], n_cols,
+                                                           &row_sums);
+            FASTLN_NAME(fastln_ln_backward_row_from_sums)(
+                dy + r * n_cols, x + r * n_cols, gamma, eps, dx + r * n_cols, n_cols, row,
+                dgamma_acc, dbeta_acc, streaming);
+        }
         return;
     }
     /* The columns up to dx's next cache line first, as the single-row pass does; the rows all
@@ -602,6 +609,21 @@ static void FASTLN_NAME(fastln_layer_norm_backward_rows)(
     FASTLN_NAME(fastln_ln_backward_write_rows)(
         dy + head, x + head, gamma ? gamma + head : NULL, dx + head, n_rows, n_cols,
         n_cols - head, sums, dgamma_acc + head, dbeta_acc + head);
+}
+
+/* Backward of one row (its first pass, then fastln_ln_backward_row_from_sums): the entry point
+ * for rows converted one at a time (the half-precision kernels). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_layer_norm_backward_row)(
+    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_T *FASTLN_RESTRICT gamma,
+    double mean, double rstd, double eps, FASTLN_T *dx, int64_t n_cols,
+    FASTLN_ACC_T *FASTLN_RESTRICT dgamma_acc, FASTLN_ACC_T *FASTLN_RESTRICT dbeta_acc,
+    int streaming)
+{
+    fastln_ln_backward_sums sums;
+    FASTLN_NAME(fastln_ln_backward_first_pass)(dy, x, gamma, mean, rstd, n_cols, &sums);
+    FASTLN_NAME(fastln_ln_backward_row_from_sums)(dy, x, gamma, eps, dx, n_cols, &sums,
+                                                  dgamma_acc, dbeta_acc, streaming);
 }
 
 /* dgamma/dbeta: add the per-block partial sums (n_blocks rows of n_cols doubles) in block order,

@@ -15,9 +15,9 @@ from libc.stdint cimport int64_t
 cimport numpy as cnp
 
 from fastln._fastpath cimport (
+    _FastRows,
     _clobbers,
-    _fast_num_threads,
-    _float_typenum,
+    _fast_rows,
     _is_fast_eps,
     _is_fast_out,
     _is_kernel_array,
@@ -32,6 +32,12 @@ from fastln._fastpath cimport (
     _same_shape,
 )
 from fastln._openmp cimport fastln_watch_for_fork
+from fastln._parallel cimport (
+    MAX_BLOCKS,
+    MIN_ELEMENTS_FOR_THREADS,
+    _row_blocks,
+    _worth_threads,
+)
 
 cnp.import_array()
 # The forked-child flag of fastln/openmp_compat.h is static, one per extension module: the fast
@@ -197,13 +203,6 @@ cdef extern from "fastln/batch_norm.h" nogil:
         int64_t feature, double mean, double rstd, const double *gamma, double eps,
         double dgamma, double sum_dy)
 
-# The same thresholds as fastln._kernels. Below MIN_ELEMENTS_FOR_THREADS elements a call runs
-# on the calling thread. Row-kernel backwards sum dgamma over blocks of at least
-# MIN_ROWS_PER_BLOCK rows, at most MAX_BLOCKS blocks: the layout depends only on n_rows.
-cdef enum:
-    MIN_ELEMENTS_FOR_THREADS = 32768
-    MIN_ROWS_PER_BLOCK = 32
-    MAX_BLOCKS = 64
 # BatchNorm: the segments layout (n_inner > 1) blocks the outer axis so that a block holds at
 # least SEGMENT_BLOCK_ELEMENTS values of a feature; the rows layout (n_inner == 1) hands the
 # features to threads in chunks of FEATURE_CHUNK (features never mix, so the chunking does not
@@ -220,15 +219,6 @@ cdef inline void* _data(object array):
 
 cdef inline bint _is_float32(cnp.ndarray array):
     return cnp.PyArray_TYPE(array) == cnp.NPY_FLOAT32
-
-
-cdef inline bint _worth_threads(int num_threads, Py_ssize_t n_tasks,
-                                Py_ssize_t n_elements) noexcept nogil:
-    return num_threads > 1 and n_tasks > 1 and n_elements >= MIN_ELEMENTS_FOR_THREADS
-
-
-cdef inline Py_ssize_t _row_blocks(Py_ssize_t n_rows) noexcept nogil:
-    return min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,23 +458,20 @@ cdef void _run_add_norm(cnp.ndarray x, cnp.ndarray residual, object bias, object
 def rms_norm_forward_fast(object x, object gamma, object eps, object axis, object out,
                           object num_threads, bint keep_cache):
     """y, or (y, rstd) with keep_cache; None when the call needs the general path."""
-    cdef int typenum = _float_typenum(x)
-    if typenum == 0:
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int ndim = cnp.PyArray_NDIM(x_array)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    cdef int threads = _fast_num_threads(num_threads)
-    if (n_cols == 0 or not _is_last_axis(axis, ndim) or threads == 0 or not _is_fast_eps(eps)
-            or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)):
+    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
+            or not _is_param(gamma, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)):
         return None
     # out may be x itself (in place), except when the cache keeps x for the backward.
     if _overlaps(out, gamma) or _clobbers(out, x) or (keep_cache and _overlaps(out, x)):
         return None
-    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else _new_like(x_array, typenum)
-    rstd = _new_row_stats(x_array, typenum) if keep_cache else None
-    _run_rms_forward(x_array, gamma, <cnp.ndarray>y, rstd, n_rows, n_cols, <double>eps, threads)
+    y = out if out is not None else _new_like(x_array, rows.typenum)
+    rstd = _new_row_stats(x_array, rows.typenum) if keep_cache else None
+    _run_rms_forward(x_array, gamma, <cnp.ndarray>y, rstd, rows.n_rows, rows.n_cols, <double>eps,
+                     rows.threads)
     if keep_cache:
         return y, rstd
     return y
@@ -496,29 +483,25 @@ def rms_norm_backward_fast(object dy, object x, object rstd, object axis, object
 
     x, rstd, axis, eps and dtype (its _dtype field) come from an RMSNormCache.
     """
-    cdef int typenum = _float_typenum(x)
-    if typenum == 0:
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int ndim = cnp.PyArray_NDIM(x_array)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    cdef int threads = _fast_num_threads(num_threads)
     # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
-    if (n_cols == 0 or type(axis) is not int or axis != ndim - 1 or threads == 0
-            or not _is_kernel_array(dy, typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
+    if (type(axis) is not int or axis != rows.ndim - 1
+            or not _is_kernel_array(dy, rows.typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
             or not _is_cache_dtype(dtype, x_array) or not _is_fast_eps(eps)
-            or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)
-            or not _is_row_stats(rstd, typenum, x_array)):
+            or not _is_param(gamma, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)
+            or not _is_row_stats(rstd, rows.typenum, x_array)):
         return None
     # dx may be dy or x itself (in place).
     if (_overlaps(out, gamma) or _overlaps(out, rstd) or _clobbers(out, dy)
             or _clobbers(out, x)):
         return None
-    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    dx = out if out is not None else _new_like(x_array, typenum)
-    dgamma = _new_column_sums(x_array, typenum)
+    dx = out if out is not None else _new_like(x_array, rows.typenum)
+    dgamma = _new_column_sums(x_array, rows.typenum)
     _run_rms_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>rstd, <cnp.ndarray>dx,
-                      <cnp.ndarray>dgamma, n_rows, n_cols, <double>eps, threads)
+                      <cnp.ndarray>dgamma, rows.n_rows, rows.n_cols, <double>eps, rows.threads)
     return dx, dgamma
 
 
@@ -535,18 +518,16 @@ def add_norm_forward_fast(bint rms, object x, object residual, object gamma, obj
                           object num_threads, bint keep_cache):
     """(y, s), or (y, s, mean, rstd) with keep_cache (mean None for RMSNorm); None when the
     call needs the general path. beta must be None for RMSNorm."""
-    cdef int typenum = _float_typenum(x)
-    if typenum == 0:
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int ndim = cnp.PyArray_NDIM(x_array)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    cdef int threads = _fast_num_threads(num_threads)
-    if (n_cols == 0 or not _is_last_axis(axis, ndim) or threads == 0 or not _is_fast_eps(eps)
-            or not _is_kernel_array(residual, typenum)
+    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
+            or not _is_kernel_array(residual, rows.typenum)
             or not _same_shape(<cnp.ndarray>residual, x_array)
-            or not _is_param(gamma, typenum, n_cols) or not _is_param(beta, typenum, n_cols)
-            or not _is_param(bias, typenum, n_cols) or not _is_fast_out(out, x_array)
+            or not _is_param(gamma, rows.typenum, rows.n_cols)
+            or not _is_param(beta, rows.typenum, rows.n_cols)
+            or not _is_param(bias, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)
             or not _is_fast_out(sum_out, x_array)):
         return None
     # out and sum_out may each be x or residual (sum_out=residual updates the residual stream
@@ -555,16 +536,16 @@ def add_norm_forward_fast(bint rms, object x, object residual, object gamma, obj
             or not _is_safe_add_output(out, x, residual, bias, gamma, beta)
             or not _is_safe_add_output(sum_out, x, residual, bias, gamma, beta)):
         return None
-    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else _new_like(x_array, typenum)
-    s = sum_out if sum_out is not None else _new_like(x_array, typenum)
+    y = out if out is not None else _new_like(x_array, rows.typenum)
+    s = sum_out if sum_out is not None else _new_like(x_array, rows.typenum)
     mean = rstd = None
     if keep_cache:
-        rstd = _new_row_stats(x_array, typenum)
+        rstd = _new_row_stats(x_array, rows.typenum)
         if not rms:
-            mean = _new_row_stats(x_array, typenum)
+            mean = _new_row_stats(x_array, rows.typenum)
     _run_add_norm(x_array, <cnp.ndarray>residual, bias, gamma, beta, <cnp.ndarray>s,
-                  <cnp.ndarray>y, mean, rstd, rms, n_rows, n_cols, <double>eps, threads)
+                  <cnp.ndarray>y, mean, rstd, rms, rows.n_rows, rows.n_cols, <double>eps,
+                  rows.threads)
     if keep_cache:
         return y, s, mean, rstd
     return y, s

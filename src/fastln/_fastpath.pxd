@@ -91,6 +91,31 @@ cdef inline bint _is_fast_eps(object eps):
     return type(eps) is float and 0.0 <= <double>eps < INFINITY
 
 
+# What every fast path establishes first about its x and num_threads (_fast_rows).
+ctypedef struct _FastRows:
+    int typenum           # NPY_FLOAT32 or NPY_FLOAT64
+    int ndim
+    Py_ssize_t n_cols     # x.shape[-1], not 0
+    Py_ssize_t n_rows     # the product of the other dimensions
+    int threads           # the checked thread count
+
+
+cdef inline bint _fast_rows(object x, object num_threads, _FastRows *rows):
+    """The opening check of every fast path: x a float32/float64 kernel array whose last axis is
+    not empty, and a thread count that needs no checking; rows gets their description. False:
+    the call goes to the general path."""
+    rows.typenum = _float_typenum(x)
+    if rows.typenum == 0:
+        return False
+    rows.ndim = cnp.PyArray_NDIM(<cnp.ndarray>x)
+    rows.n_cols = cnp.PyArray_DIM(<cnp.ndarray>x, rows.ndim - 1)
+    rows.threads = _fast_num_threads(num_threads)
+    if rows.n_cols == 0 or rows.threads == 0:
+        return False
+    rows.n_rows = cnp.PyArray_SIZE(<cnp.ndarray>x) // rows.n_cols
+    return True
+
+
 cdef inline bint _is_fast_out(object out, cnp.ndarray like):
     """None, or a writeable kernel array of like's dtype and shape."""
     if out is None:

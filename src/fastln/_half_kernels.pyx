@@ -21,6 +21,7 @@ from libc.stdlib cimport calloc, free, malloc
 cimport numpy as cnp
 
 from fastln._openmp cimport fastln_openmp_set_max_threads
+from fastln._parallel cimport _row_blocks, _worth_threads
 
 cnp.import_array()
 
@@ -50,15 +51,6 @@ cdef extern from "fastln/rms_norm.h" nogil:
         const float *dy, const float *x, const float *gamma, double rstd, double eps,
         float *dx, int64_t n_cols, double *dgamma_acc)
 
-# The thresholds of fastln._kernels and fastln._family_kernels: below MIN_ELEMENTS_FOR_THREADS
-# elements a call runs on the calling thread; backward sums dgamma/dbeta over blocks of at least
-# MIN_ROWS_PER_BLOCK rows, at most MAX_BLOCKS blocks (the layout depends only on n_rows).
-cdef enum:
-    MIN_ELEMENTS_FOR_THREADS = 32768
-    MIN_ROWS_PER_BLOCK = 32
-    MAX_BLOCKS = 64
-
-
 def set_default_num_threads(int num_threads):
     """Set the calling thread's OpenMP default team size (fastln.set_num_threads).
 
@@ -70,15 +62,6 @@ def set_default_num_threads(int num_threads):
 
 cdef inline void* _data(object array):
     return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
-
-
-cdef inline bint _worth_threads(int num_threads, Py_ssize_t n_tasks,
-                                Py_ssize_t n_elements) noexcept nogil:
-    return num_threads > 1 and n_tasks > 1 and n_elements >= MIN_ELEMENTS_FOR_THREADS
-
-
-cdef inline Py_ssize_t _row_blocks(Py_ssize_t n_rows) noexcept nogil:
-    return min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from libc.stdint cimport int64_t
 cimport numpy as cnp
 
 from fastln._fastpath cimport (
+    _FastRows,
     _clobbers,
-    _fast_num_threads,
-    _float_typenum,
+    _fast_rows,
     _is_fast_eps,
     _is_fast_out,
     _is_kernel_array,
@@ -34,6 +34,7 @@ from fastln._openmp cimport (
     fastln_thread_cap,
     fastln_watch_for_fork,
 )
+from fastln._parallel cimport _row_blocks, _worth_threads
 
 cnp.import_array()
 fastln_watch_for_fork()  # forked children run serially: see fastln/openmp_compat.h
@@ -65,21 +66,10 @@ cdef extern from "fastln/layer_norm.h" nogil:
     void fastln_sum_block_partials_f64(
         double *partials, int64_t n_blocks, int64_t n_cols, double *out)
 
-# Below this many elements a call runs on the calling thread: waking the OpenMP team costs more
-# than the work (a few microseconds). Measured here with 2 threads: 64x768 (49,152 elements)
-# gains 1.6x forward and 1.2-1.6x backward; 8x768 (6,144) stays on the calling thread.
-cdef enum:
-    MIN_ELEMENTS_FOR_THREADS = 32768
 # Outputs at least this large are written with streaming (non-temporal) stores: measured here,
 # they gain from 32 MiB up and lose below (the output would still have been in cache).
 cdef enum:
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
-# Backward sums dgamma/dbeta over blocks of at least this many rows, at most MAX_BLOCKS blocks.
-# The block layout depends only on n_rows, never on the thread count, so the sums are the same
-# for every num_threads.
-cdef enum:
-    MIN_ROWS_PER_BLOCK = 32
-    MAX_BLOCKS = 64
 
 
 def openmp_enabled():
@@ -114,29 +104,25 @@ cdef inline void* _data(object array):
 def layer_norm_forward_fast(object x, object gamma, object beta, object eps, object axis,
                             object out, object num_threads, bint keep_cache):
     """y, or (y, mean, rstd) with keep_cache; None when the call needs the general path."""
-    cdef int typenum = _float_typenum(x)
-    if typenum == 0:
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int ndim = cnp.PyArray_NDIM(x_array)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    cdef int threads = _fast_num_threads(num_threads)
-    if (n_cols == 0 or not _is_last_axis(axis, ndim) or threads == 0 or not _is_fast_eps(eps)
-            or not _is_param(gamma, typenum, n_cols) or not _is_param(beta, typenum, n_cols)
-            or not _is_fast_out(out, x_array)):
+    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
+            or not _is_param(gamma, rows.typenum, rows.n_cols)
+            or not _is_param(beta, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)):
         return None
     # out may be x itself (in place), except when the cache keeps x for the backward.
     if (_overlaps(out, gamma) or _overlaps(out, beta) or _clobbers(out, x)
             or (keep_cache and _overlaps(out, x))):
         return None
-    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    y = out if out is not None else _new_like(x_array, typenum)
+    y = out if out is not None else _new_like(x_array, rows.typenum)
     mean = rstd = None
     if keep_cache:
-        mean = _new_row_stats(x_array, typenum)
-        rstd = _new_row_stats(x_array, typenum)
-    _run_forward(x_array, gamma, beta, <cnp.ndarray>y, mean, rstd, n_rows, n_cols, <double>eps,
-                 threads)
+        mean = _new_row_stats(x_array, rows.typenum)
+        rstd = _new_row_stats(x_array, rows.typenum)
+    _run_forward(x_array, gamma, beta, <cnp.ndarray>y, mean, rstd, rows.n_rows, rows.n_cols,
+                 <double>eps, rows.threads)
     if keep_cache:
         return y, mean, rstd
     return y
@@ -155,11 +141,6 @@ cdef inline void _forward_row(const floating *x, const floating *gamma, const fl
     if mean != NULL:
         mean[row] = <floating>row_mean
         rstd[row] = <floating>row_rstd
-
-
-cdef inline bint _worth_threads(int num_threads, Py_ssize_t n_tasks,
-                                Py_ssize_t n_elements) noexcept nogil:
-    return num_threads > 1 and n_tasks > 1 and n_elements >= MIN_ELEMENTS_FOR_THREADS
 
 
 cdef void _forward_rows(const floating *x, const floating *gamma, const floating *beta,
@@ -241,7 +222,7 @@ cdef int _backward_rows(const floating *dy, const floating *x, const floating *g
                         Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
                         int num_threads) noexcept nogil:
     """Returns -1 when the scratch for the dgamma/dbeta partial sums cannot be allocated."""
-    cdef Py_ssize_t n_blocks = min(max(n_rows // MIN_ROWS_PER_BLOCK, 1), MAX_BLOCKS)
+    cdef Py_ssize_t n_blocks = _row_blocks(n_rows)
     cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
     cdef Py_ssize_t block
     # dx much larger than the cache goes out with non-temporal stores: it saves reading every
@@ -300,32 +281,28 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
 
     x, mean, rstd, axis, eps and dtype (its _dtype field) come from a LayerNormCache.
     """
-    cdef int typenum = _float_typenum(x)
-    if typenum == 0:
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef int ndim = cnp.PyArray_NDIM(x_array)
-    cdef Py_ssize_t n_cols = cnp.PyArray_DIM(x_array, ndim - 1)
-    cdef int threads = _fast_num_threads(num_threads)
     # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
-    if (n_cols == 0 or type(axis) is not int or axis != ndim - 1 or threads == 0
-            or not _is_kernel_array(dy, typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
+    if (type(axis) is not int or axis != rows.ndim - 1
+            or not _is_kernel_array(dy, rows.typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
             or not _is_cache_dtype(dtype, x_array) or not _is_fast_eps(eps)
-            or not _is_param(gamma, typenum, n_cols) or not _is_fast_out(out, x_array)
-            or not _is_row_stats(mean, typenum, x_array)
-            or not _is_row_stats(rstd, typenum, x_array)):
+            or not _is_param(gamma, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)
+            or not _is_row_stats(mean, rows.typenum, x_array)
+            or not _is_row_stats(rstd, rows.typenum, x_array)):
         return None
     # dx may be dy or x itself (in place).
     if (_overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd)
             or _clobbers(out, dy) or _clobbers(out, x)):
         return None
-    cdef Py_ssize_t n_rows = cnp.PyArray_SIZE(x_array) // n_cols
-    dx = out if out is not None else _new_like(x_array, typenum)
-    dgamma = _new_column_sums(x_array, typenum)
-    dbeta = _new_column_sums(x_array, typenum)
+    dx = out if out is not None else _new_like(x_array, rows.typenum)
+    dgamma = _new_column_sums(x_array, rows.typenum)
+    dbeta = _new_column_sums(x_array, rows.typenum)
     _run_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
-                  <cnp.ndarray>dx, <cnp.ndarray>dgamma, <cnp.ndarray>dbeta, n_rows, n_cols,
-                  <double>eps, threads)
+                  <cnp.ndarray>dx, <cnp.ndarray>dgamma, <cnp.ndarray>dbeta, rows.n_rows,
+                  rows.n_cols, <double>eps, rows.threads)
     return dx, dgamma, dbeta
 
 
