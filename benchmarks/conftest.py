@@ -32,6 +32,11 @@ if importlib.util.find_spec("pytest_benchmark") is None:
 
 from fastln.bench.machine import usable_cpus  # noqa: E402
 from fastln.bench.ops.base import check_rows  # noqa: E402
+from fastln.bench.timing import settle_allocator  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    settle_allocator()  # as `fastln bench` does: NumPy's temporaries from the heap, not mmap
 
 
 def pytest_addoption(parser):

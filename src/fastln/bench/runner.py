@@ -213,6 +213,7 @@ def run_benchmark(config, command_line=None, log=sys.stderr):
               f"{description['usable_cpus']} CPUs: other processes are running, and "
               "multi-threaded timings will wait for them", file=log, flush=True)
 
+    timing.settle_allocator()
     buffer_bytes = config.copy_buffer_bytes or bandwidth.copy_buffer_bytes(
         description["last_level_cache_bytes"], description["memory_available_bytes"])
     if config.progress:
