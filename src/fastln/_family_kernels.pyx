@@ -17,6 +17,7 @@ cimport numpy as cnp
 from fastln._fastpath cimport (
     _FastRows,
     _clobbers,
+    _data,
     _fast_rows,
     _is_fast_eps,
     _is_fast_out,
@@ -211,10 +212,6 @@ cdef enum:
     SEGMENT_BLOCK_ELEMENTS = 16384
     FEATURE_CHUNK = 512
     APPLY_CHUNK_ELEMENTS = 8192
-
-
-cdef inline void* _data(object array):
-    return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
 cdef inline bint _is_float32(cnp.ndarray array):

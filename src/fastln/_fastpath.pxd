@@ -1,7 +1,7 @@
 # The C-level argument checks of the fast paths (see layer_norm_forward_fast in _kernels.pyx).
 # Each answers "is this the common, already-valid case?"; a False sends the call to the general
-# Python path, which does the full checking and raises the errors. At the end, the fast paths'
-# output allocations.
+# Python path, which does the full checking and raises the errors. At the end, what the kernel
+# modules share once a call is checked: optional arguments' data pointers, output allocations.
 from libc.math cimport INFINITY
 
 cimport numpy as cnp
@@ -141,6 +141,11 @@ cdef inline bint _is_cache_dtype(object dtype, cnp.ndarray x):
         return True
     return (cnp.PyArray_DescrCheck(dtype)
             and cnp.PyArray_EquivTypes(<cnp.dtype>dtype, <cnp.dtype>cnp.PyArray_DESCR(x)))
+
+
+cdef inline void* _data(object array):
+    """An optional array argument's data pointer: NULL for None."""
+    return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
 cdef inline object _new_like(cnp.ndarray x, int typenum):

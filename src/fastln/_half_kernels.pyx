@@ -20,6 +20,7 @@ from libc.stdlib cimport calloc, free, malloc
 
 cimport numpy as cnp
 
+from fastln._fastpath cimport _data
 from fastln._openmp cimport fastln_openmp_set_max_threads
 from fastln._parallel cimport _row_blocks, _worth_threads
 
@@ -58,10 +59,6 @@ def set_default_num_threads(int num_threads):
     through fastln/_openmp.pxd like every OpenMP call.
     """
     fastln_openmp_set_max_threads(num_threads)
-
-
-cdef inline void* _data(object array):
-    return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
 # ---------------------------------------------------------------------------------------------

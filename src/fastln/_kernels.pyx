@@ -14,6 +14,7 @@ cimport numpy as cnp
 from fastln._fastpath cimport (
     _FastRows,
     _clobbers,
+    _data,
     _fast_rows,
     _is_fast_eps,
     _is_fast_out,
@@ -85,10 +86,6 @@ def default_num_threads():
 def thread_cap():
     """The most threads one call starts (4 per processor, at least 64)."""
     return fastln_thread_cap()
-
-
-cdef inline void* _data(object array):
-    return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
 # ---------------------------------------------------------------------------------------------
