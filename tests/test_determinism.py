@@ -208,6 +208,59 @@ def test_backward_at_every_output_alignment(dtype, h):
         assert_bitwise_equal(dx_in, dx0, err_msg=f"in place at offset {offset}")
 
 
+@pytest.mark.parametrize("odd_row", ["zeros", "tiny"])
+@pytest.mark.parametrize("n_cols", [768, 777])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_rms_norm_backward_group_falling_back_to_single_rows_gives_the_same_bits(
+        dtype, n_cols, odd_row):
+    """RMSNorm's backward writes rows in groups of 8 too; a group holding a row of Inf rstd (all
+    zeros with eps = 0) or, in float32, one beyond the float32 pass (tiny values, rstd ~ 1e36)
+    goes row by row. With dy = 0 that row adds exactly zero to dgamma, so the batch with it
+    (its group row by row) and without it (every group grouped) must give the same dgamma and
+    other rows' dx, bit for bit."""
+    n_rows, odd = 11, 3
+    rng = np.random.default_rng(29)
+    x = random_input(rng, (n_rows, n_cols), dtype, offset=0.5)
+    dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    x[odd] = 0 if odd_row == "zeros" else (rng.standard_normal(n_cols) * 1e-36).astype(dtype)
+    dy[odd] = 0
+    gamma, _ = random_params(rng, (n_cols,), dtype)
+    keep = np.arange(n_rows) != odd
+    _, cache = fastln.rms_norm_forward(x, gamma, eps=0.0)
+    assert cache.rstd[odd] > 1e30
+    dx, dgamma = fastln.rms_norm_backward(dy, cache, gamma)
+    _, cache_kept = fastln.rms_norm_forward(x[keep], gamma, eps=0.0)
+    dx_kept, dgamma_kept = fastln.rms_norm_backward(dy[keep], cache_kept, gamma)
+    assert_bitwise_equal(dx[keep], dx_kept, err_msg="dx")
+    assert_bitwise_equal(dgamma, dgamma_kept, err_msg="dgamma")
+    for row in (0, odd + 1, n_rows - 1):  # and each row alone (a group of one)
+        _, cache_row = fastln.rms_norm_forward(x[row], gamma, eps=0.0)
+        assert_bitwise_equal(fastln.rms_norm_backward(dy[row], cache_row, gamma)[0], dx[row],
+                             err_msg=f"row {row} alone")
+
+
+@pytest.mark.parametrize("n_cols", [768, 777])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_rms_norm_backward_rows_add_to_dgamma_in_row_order(dtype, n_cols):
+    """Rows 8, 9 and 10 (one group, one block) share x and have dy = +1e9 v, -1e9 v, 1e-9 v,
+    every other dy is 0: in row order dgamma is (P - P) + p = p, row 10's dgamma alone, bit for
+    bit; any other order loses p against P (1e18 apart, beyond double's 53 bits)."""
+    rng = np.random.default_rng(31)
+    x = random_input(rng, (11, n_cols), dtype, offset=0.5)
+    x[9] = x[10] = x[8]
+    v = rng.standard_normal(n_cols)
+    dy = np.zeros((11, n_cols), dtype)
+    for row, scale in ((8, 1e9), (9, -1e9), (10, 1e-9)):
+        dy[row] = (v * scale).astype(dtype)
+    gamma, _ = random_params(rng, (n_cols,), dtype)
+    _, cache = fastln.rms_norm_forward(x, gamma)
+    _, dgamma = fastln.rms_norm_backward(dy, cache, gamma)
+    _, cache_row = fastln.rms_norm_forward(x[10], gamma)
+    _, dgamma_row = fastln.rms_norm_backward(dy[10], cache_row, gamma)
+    assert np.all(dgamma_row != 0)
+    assert_bitwise_equal(dgamma, dgamma_row)
+
+
 @pytest.mark.parametrize("h", [256, 1000, 1023])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_rms_norm_at_every_output_alignment(dtype, h):

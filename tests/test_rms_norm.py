@@ -272,6 +272,51 @@ def test_large_offsets(rng, dtype, offset):
                  atol=4 * np.finfo(dtype).eps)
 
 
+@pytest.mark.parametrize("n_cols", [15, 777, 4096])
+@pytest.mark.parametrize("scale, offset, eps", [(1.0, 0.0, 1e-5), (1.0, 1e4, 1e-5),
+                                                (1e20, 0.0, 1e-5), (1e-20, 0.0, 0.0)])
+def test_float32_y_within_three_roundings(rng, n_cols, scale, offset, eps):
+    """float32 rows are written in float32: rstd rounded to float32, then x * rstd and * gamma,
+    one rounding of u32 (relative) each, so |y - y*| <= 3 u32 |y*| (u32 = 2**-24) whatever
+    the magnitude."""
+    x = ((offset + rng.standard_normal((6, n_cols))) * scale).astype(np.float32)
+    gamma = rng.uniform(-2.0, 2.0, n_cols).astype(np.float32)
+    y = fastln.rms_norm(x, gamma, eps=eps)
+    y_exact = _exact_rms_norm(x, eps) * gamma.astype(np.float64)
+    error = np.abs(y.astype(np.float64) - y_exact)
+    assert np.all(error <= 3.001 * 2.0**-24 * np.abs(y_exact))
+
+
+@pytest.mark.parametrize("n_cols", [15, 777, 4096])
+@pytest.mark.parametrize("scale, offset", [(1.0, 0.0), (1.0, 1e4), (1e20, 0.0), (1e-20, 0.0)])
+def test_float32_backward_within_a_few_roundings(rng, n_cols, scale, offset):
+    """float32 rows: dx_hat = dy * gamma rounded to float32 before the double sum (moving
+    mean(dx_hat * x_hat) by up to u32 / 2 of mean|dx_hat * x_hat|), then dx in float32 with the
+    cache's rstd: an ulp of dx plus 4 u32 (u32 = 2**-24) of its terms rstd * |dx_hat| and
+    rstd * |x_hat * mean(dx_hat * x_hat)|. dgamma: each product rounded once, then summed in
+    double."""
+    x = ((offset + rng.standard_normal((6, n_cols))) * scale).astype(np.float32)
+    dy = rng.standard_normal((6, n_cols)).astype(np.float32)
+    gamma = rng.uniform(-2.0, 2.0, n_cols).astype(np.float32)
+    _, cache = fastln.rms_norm_forward(x, gamma, eps=0.0 if scale < 1 else 1e-5)
+    dx, dgamma = fastln.rms_norm_backward(dy, cache, gamma)
+
+    u32 = 2.0**-24
+    rstd = cache.rstd.astype(np.float64)[:, None]  # the float32 rstd the backward is given
+    x_hat = x.astype(np.float64) * rstd
+    dx_hat = dy.astype(np.float64) * gamma.astype(np.float64)
+    mean = np.array([math.fsum(row) for row in dx_hat * x_hat])[:, None] / n_cols
+    dx_exact = rstd * (dx_hat - x_hat * mean)
+    terms = rstd * (np.abs(dx_hat) + np.abs(x_hat * mean))
+    rounding = rstd * np.abs(x_hat) * u32 / 2 * np.mean(np.abs(dx_hat * x_hat), axis=1)[:, None]
+    bound = np.spacing(np.abs(dx_exact).astype(np.float32)) + 4 * u32 * terms + rounding
+    assert np.all(np.abs(dx - dx_exact) <= bound)
+    dgamma_exact = np.sum(dy.astype(np.float64) * x_hat, axis=0)
+    dgamma_terms = np.sum(np.abs(dy.astype(np.float64) * x_hat), axis=0)
+    assert np.all(np.abs(dgamma - dgamma_exact)
+                  <= np.spacing(np.abs(dgamma_exact).astype(np.float32)) + 2 * u32 * dgamma_terms)
+
+
 def test_float32_near_1e20_does_not_overflow(rng):
     x = (rng.standard_normal((4, 300)) * 1e20).astype(np.float32)
     x[0, :] = 3e38  # squares far beyond float32's range

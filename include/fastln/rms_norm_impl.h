@@ -106,14 +106,18 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_write8)(
     FASTLN_STORE8(y, out);
 }
 
-/* y = gamma * (x * x_scale) for n elements (a row, or a piece of one): whole chunks of eight,
- * then the rest one by one. */
-FASTLN_INLINE void FASTLN_NAME(fastln_rms_write_row)(
+/* y = gamma * (x * x_scale) for n elements (a row, or a piece of one), all in double: whole
+ * chunks of eight, then the rest one by one. While it writes, it prefetches the next row (rows
+ * are contiguous), so the next sum of squares finds it in cache, as LayerNorm's write pass does.
+ * The forward takes it through fastln_rms_write_row_* (rms_norm.h). */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_write_row_double)(
     const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *y, int64_t n, double x_scale)
 {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
+    for (; i + 8 <= n; i += 8) {
+        __builtin_prefetch(x + n + i, 0, 3);
         FASTLN_NAME(fastln_rms_write8)(x + i, gamma ? gamma + i : NULL, y + i, x_scale);
+    }
     for (; i < n; i++) { /* the last n % 8: each lane's arithmetic, one at a time */
         double out = (double)x[i] * x_scale;
         if (gamma) out *= (double)gamma[i];
@@ -156,8 +160,9 @@ static void FASTLN_NAME(fastln_rms_norm_forward_row)(
                                       n_cols - head, x_scale);
 }
 
-/* sum(dx_hat * x_hat) over FASTLN_BLOCK elements, dx_hat = dy * gamma, x_hat = x * x_scale. */
-FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_accumulate)(
+/* sum(dx_hat * x_hat) over FASTLN_BLOCK elements, dx_hat = dy * gamma, x_hat = x * x_scale,
+ * all in double. The backward takes it through fastln_rms_backward_accumulate_* (rms_norm.h). */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_accumulate_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double x_scale,
     fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS])
 {
@@ -169,36 +174,78 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_accumulate)(
     }
 }
 
-/* dx for eight elements, and their dy * x_hat added to the dgamma partials (x_hat = x * x_scale,
- * see the backward row). */
-FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write8)(
-    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, double rstd,
-    double x_scale, double mean_dxhat_xhat, double *dgamma_acc)
+/* mean(dx_hat * x_hat) of a row, in the fixed order of the accumulators (the per-type
+ * fastln_rms_backward_accumulate_*, rms_norm.h); x_hat = x * x_scale. */
+FASTLN_INLINE double FASTLN_NAME(fastln_rms_backward_mean)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, double x_scale, int64_t n_cols)
 {
-    const fastln_d8 dy8 = FASTLN_LOAD8(dy);
-    const fastln_d8 x_hat = FASTLN_LOAD8(x) * x_scale;
-    const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
-    fastln_store8_f64(dgamma_acc, fastln_load8_f64(dgamma_acc) + dy8 * x_hat);
-    FASTLN_STORE8(dx, rstd * (dx_hat - x_hat * mean_dxhat_xhat));
+    fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS] = {{0}};
+    int64_t i = 0;
+    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
+        FASTLN_NAME(fastln_rms_backward_accumulate)(dy + i, x + i, gamma ? gamma + i : NULL,
+                                                    x_scale, sum_dxhat_xhat);
+    if (i < n_cols) {
+        /* Padding with dy = 0 and x = 0 adds exactly zero to the sum. */
+        FASTLN_T dy_tail[FASTLN_BLOCK] = {0}, x_tail[FASTLN_BLOCK] = {0};
+        FASTLN_T gamma_tail[FASTLN_BLOCK] = {0};
+        const size_t rest = (size_t)(n_cols - i);
+        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
+        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
+        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
+        FASTLN_NAME(fastln_rms_backward_accumulate)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
+                                                    x_scale, sum_dxhat_xhat);
+    }
+    return fastln_reduce(sum_dxhat_xhat) / (double)n_cols;
 }
 
-/* The backward's write pass over n elements (a row, or a piece of one): whole chunks of eight,
- * then the rest one by one. */
-FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write_row)(
-    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n,
-    double rstd, double x_scale, double mean_dxhat_xhat, double *dgamma_acc)
+/* dx for eight elements of a row, returned, in double; their dy * x_hat is added to dgamma8. */
+FASTLN_INLINE fastln_d8 FASTLN_NAME(fastln_rms_backward_dx8)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma,
+    const fastln_rms_backward_row *row, fastln_d8 *dgamma8)
+{
+    const fastln_d8 dy8 = FASTLN_LOAD8(dy);
+    const fastln_d8 x_hat = FASTLN_LOAD8(x) * row->x_scale;
+    const fastln_d8 dx_hat = gamma ? dy8 * FASTLN_LOAD8(gamma) : dy8;
+    *dgamma8 += dy8 * x_hat;
+    return row->rstd * (dx_hat - x_hat * row->mean_dxhat_xhat);
+}
+
+/* The same for one element (those outside whole chunks of eight). dx may be dy. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_dx1_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx,
+    const fastln_rms_backward_row *row, double *dgamma)
+{
+    const double dy_i = (double)*dy;
+    const double x_hat = (double)*x * row->x_scale;
+    const double dx_hat = gamma ? dy_i * (double)*gamma : dy_i;
+    *dgamma += dy_i * x_hat;
+    *dx = (FASTLN_T)(row->rstd * (dx_hat - x_hat * row->mean_dxhat_xhat));
+}
+
+/* The backward's write pass, all in double, over width columns of n_rows consecutive rows
+ * (stride elements apart; one row, or a group of them - fastln_rms_norm_backward_rows): each
+ * eight dgamma accumulators are loaded and stored once, and the rows add to them in row order,
+ * as row after row would. The per-type passes (fastln_rms_backward_write_rows_*, rms_norm.h)
+ * call it for float64 rows and for float32 rows the float32 pass does not take. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write_rows_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc)
 {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        FASTLN_NAME(fastln_rms_backward_write8)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i,
-                                                rstd, x_scale, mean_dxhat_xhat, dgamma_acc + i);
-    for (; i < n; i++) { /* the last n % 8: each lane's arithmetic, one at a time */
-        const double dy_i = (double)dy[i];
-        const double x_hat = (double)x[i] * x_scale;
-        const double dx_hat = gamma ? dy_i * (double)gamma[i] : dy_i;
-        dgamma_acc[i] += dy_i * x_hat;
-        dx[i] = (FASTLN_T)(rstd * (dx_hat - x_hat * mean_dxhat_xhat));
+    for (; i + 8 <= width; i += 8) {
+        fastln_d8 dgamma8 = fastln_load8_f64(dgamma_acc + i);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            FASTLN_STORE8(dx + at, FASTLN_NAME(fastln_rms_backward_dx8)(
+                dy + at, x + at, gamma ? gamma + i : NULL, &rows[r], &dgamma8));
+        }
+        fastln_store8_f64(dgamma_acc + i, dgamma8);
     }
+    for (; i < width; i++) /* the last width % 8: each lane's arithmetic, one at a time */
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(fastln_rms_backward_dx1_double)(
+                dy + r * stride + i, x + r * stride + i, gamma ? gamma + i : NULL,
+                dx + r * stride + i, &rows[r], dgamma_acc + i);
 }
 
 /* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is beyond
@@ -259,29 +306,55 @@ static void FASTLN_NAME(fastln_rms_norm_backward_row)(
         && FASTLN_NAME(fastln_rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols,
                                                            dgamma_acc))
         return;
-    const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
-    fastln_d8 sum_dxhat_xhat[FASTLN_ACCUMULATORS] = {{0}};
-    int64_t i = 0;
-    for (; i + FASTLN_BLOCK <= n_cols; i += FASTLN_BLOCK)
-        FASTLN_NAME(fastln_rms_backward_accumulate)(dy + i, x + i, gamma ? gamma + i : NULL,
-                                                    x_scale, sum_dxhat_xhat);
-    if (i < n_cols) {
-        /* Padding with dy = 0 and x = 0 adds exactly zero to the sum. */
-        FASTLN_T dy_tail[FASTLN_BLOCK] = {0}, x_tail[FASTLN_BLOCK] = {0};
-        FASTLN_T gamma_tail[FASTLN_BLOCK] = {0};
-        const size_t rest = (size_t)(n_cols - i);
-        memcpy(dy_tail, dy + i, rest * sizeof(FASTLN_T));
-        memcpy(x_tail, x + i, rest * sizeof(FASTLN_T));
-        if (gamma) memcpy(gamma_tail, gamma + i, rest * sizeof(FASTLN_T));
-        FASTLN_NAME(fastln_rms_backward_accumulate)(dy_tail, x_tail, gamma ? gamma_tail : NULL,
-                                                    x_scale, sum_dxhat_xhat);
-    }
-    const double mean_dxhat_xhat = fastln_reduce(sum_dxhat_xhat) / (double)n_cols;
+    fastln_rms_backward_row row;
+    row.rstd = rstd;
+    row.x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+    row.mean_dxhat_xhat = FASTLN_NAME(fastln_rms_backward_mean)(dy, x, gamma, row.x_scale, n_cols);
     /* The elements up to dx's next cache line first, then whole-line stores, as the forward. */
     const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
-    FASTLN_NAME(fastln_rms_backward_write_row)(dy, x, gamma, dx, head, rstd, x_scale,
-                                               mean_dxhat_xhat, dgamma_acc);
-    FASTLN_NAME(fastln_rms_backward_write_row)(dy + head, x + head, gamma ? gamma + head : NULL,
-                                               dx + head, n_cols - head, rstd, x_scale,
-                                               mean_dxhat_xhat, dgamma_acc + head);
+    FASTLN_NAME(fastln_rms_backward_write_rows)(dy, x, gamma, dx, 1, n_cols, head, &row,
+                                                dgamma_acc);
+    FASTLN_NAME(fastln_rms_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
+                                                dx + head, 1, n_cols, n_cols - head, &row,
+                                                dgamma_acc + head);
+}
+
+/* Backward of n_rows <= FASTLN_RMS_BACKWARD_GROUP consecutive rows (rstd: their cache entries):
+ * each row's mean(dx_hat * x_hat), then one write pass over the group's columns that loads and
+ * stores each dgamma accumulator once per group instead of once per row. Each element's
+ * arithmetic, and the order in which the rows add to an accumulator, are those of the
+ * single-row backward (fastln_rms_norm_backward_row) row after row: the same bits. A group
+ * with a row of Inf rstd (done from x again) or one the float32 pass does not take goes row by
+ * row. dx may be dy (in place). */
+FASTLN_DISPATCH
+static void FASTLN_NAME(fastln_rms_norm_backward_rows)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, const FASTLN_T *rstd,
+    double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc)
+{
+    fastln_rms_backward_row rows[FASTLN_RMS_BACKWARD_GROUP];
+    int grouped = n_rows <= FASTLN_RMS_BACKWARD_GROUP;
+    for (int64_t r = 0; grouped && r < n_rows; r++) {
+        rows[r].rstd = rows[r].x_scale = (double)rstd[r];
+        grouped = !isinf(rows[r].rstd) && FASTLN_NAME(fastln_rms_backward_in_vectors)(&rows[r]);
+    }
+    if (!grouped) {
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(fastln_rms_norm_backward_row)(dy + r * n_cols, x + r * n_cols, gamma,
+                                                      (double)rstd[r], eps, dx + r * n_cols,
+                                                      n_cols, dgamma_acc);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++)
+        rows[r].mean_dxhat_xhat = FASTLN_NAME(fastln_rms_backward_mean)(
+            dy + r * n_cols, x + r * n_cols, gamma, rows[r].x_scale, n_cols);
+    /* The columns up to dx's next cache line first, as the single-row pass; the rows all start
+     * at the same offset from a line only when a row is a whole number of lines. */
+    const int64_t head = n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
+                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    if (head > 0)
+        FASTLN_NAME(fastln_rms_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, rows,
+                                                    dgamma_acc);
+    FASTLN_NAME(fastln_rms_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
+                                                dx + head, n_rows, n_cols, n_cols - head, rows,
+                                                dgamma_acc + head);
 }

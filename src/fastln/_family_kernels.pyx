@@ -56,12 +56,13 @@ cdef extern from "fastln/rms_norm.h" nogil:
     void fastln_rms_norm_forward_row_f64(
         const double *x, const double *gamma, double *y, int64_t n_cols, double eps,
         double *rstd_out)
-    void fastln_rms_norm_backward_row_f32(
-        const float *dy, const float *x, const float *gamma, double rstd, double eps,
-        float *dx, int64_t n_cols, double *dgamma_acc)
-    void fastln_rms_norm_backward_row_f64(
-        const double *dy, const double *x, const double *gamma, double rstd, double eps,
-        double *dx, int64_t n_cols, double *dgamma_acc)
+    void fastln_rms_norm_backward_rows_f32(
+        const float *dy, const float *x, const float *gamma, const float *rstd, double eps,
+        float *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc)
+    void fastln_rms_norm_backward_rows_f64(
+        const double *dy, const double *x, const double *gamma, const double *rstd, double eps,
+        double *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc)
+    int FASTLN_RMS_BACKWARD_GROUP
 
 cdef extern from "fastln/add_norm.h" nogil:
     void fastln_add_layer_norm_forward_row_f32(
@@ -279,17 +280,20 @@ cdef inline void _rms_backward_block(const floating *dy, const floating *x,
                                      double *block_dgamma, Py_ssize_t row_start,
                                      Py_ssize_t row_end, Py_ssize_t n_cols,
                                      double eps) noexcept nogil:
-    """Rows [row_start, row_end): dx, and their dgamma added to the block's partial sums."""
-    cdef Py_ssize_t row
-    for row in range(row_start, row_end):
+    """Rows [row_start, row_end): dx, and their dgamma added to the block's partial sums, in
+    groups of FASTLN_RMS_BACKWARD_GROUP rows."""
+    cdef Py_ssize_t row = row_start, count
+    while row < row_end:
+        count = min(<Py_ssize_t>FASTLN_RMS_BACKWARD_GROUP, row_end - row)
         if floating is float:
-            fastln_rms_norm_backward_row_f32(dy + row * n_cols, x + row * n_cols, gamma,
-                                             rstd[row], eps, dx + row * n_cols, n_cols,
-                                             block_dgamma)
+            fastln_rms_norm_backward_rows_f32(dy + row * n_cols, x + row * n_cols, gamma,
+                                              rstd + row, eps, dx + row * n_cols, count, n_cols,
+                                              block_dgamma)
         else:
-            fastln_rms_norm_backward_row_f64(dy + row * n_cols, x + row * n_cols, gamma,
-                                             rstd[row], eps, dx + row * n_cols, n_cols,
-                                             block_dgamma)
+            fastln_rms_norm_backward_rows_f64(dy + row * n_cols, x + row * n_cols, gamma,
+                                              rstd + row, eps, dx + row * n_cols, count, n_cols,
+                                              block_dgamma)
+        row += count
 
 
 cdef int _rms_backward_rows(const floating *dy, const floating *x, const floating *gamma,
