@@ -56,14 +56,16 @@ def main():
                 calls = [operation.implementation(name).prepare(inputs, 1, False).call
                          for name in ("numpy-naive", "fastln")]
                 calls.insert(1, one_pass(op, inputs))
-                calls_per_sample = []
+                calls_per_sample, warmups = [], []
                 for call in calls:
                     first = timing.time_calls(call, 1)
-                    calls_per_sample.append(
-                        timing.calibrate(call, first, schedule.min_sample_seconds)[0])
+                    n_calls, seconds_per_call = timing.calibrate(call, first,
+                                                                 schedule.min_sample_seconds)
+                    calls_per_sample.append(n_calls)
+                    warmups.append(schedule.warmup_for(seconds_per_call))
                 samples = timing.interleaved_samples(
-                    calls, calls_per_sample, ROUNDS,
-                    warmup=[schedule.warmup_seconds] * len(calls))
+                    calls, calls_per_sample, ROUNDS, warmup=warmups,
+                    warmup_calls=[schedule.warmup_min_calls] * len(calls))
                 naive, floor, fastln_time = (1e6 * timing.summarize(s)["median_s"]
                                              for s in samples)
                 case = f"{op} {'x'.join(map(str, shape))} {dtype}"

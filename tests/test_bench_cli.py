@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import pytest
@@ -273,12 +274,12 @@ def test_python_m_fastln_bench_measures_in_a_child_with_a_short_openmp_spin(tmp_
     assert result.returncode == 0, result.stderr
     spin = f"GOMP_SPINCOUNT={command.GOMP_SPIN_COUNT}"
     assert "numpy-inplace" in result.stdout and spin in result.stdout
-    assert "ms of untimed calls" in result.stdout
+    assert "ms and at least 3 untimed calls" in result.stdout
     data = json.loads(path.read_text())
     environment = data["machine"]["thread_environment"]
     assert environment["GOMP_SPINCOUNT"] == str(command.GOMP_SPIN_COUNT)
     assert "OMP_WAIT_POLICY" not in environment
-    assert data["settings"]["warmup_seconds"] > 0
+    assert data["settings"]["warmup_seconds"] > 0 and data["settings"]["warmup_min_calls"] == 3
 
 
 @pytest.mark.parametrize("name, value", [("GOMP_SPINCOUNT", "1234"),
@@ -303,20 +304,29 @@ def test_every_sample_follows_a_warm_up_except_for_long_calls():
     assert schedule.warmup_for(1e-5) == schedule.warmup_for(0.01) == 0.001
     assert schedule.warmup_for(0.05) == 0.0
 
+    assert schedule.warmup_min_calls == 3
+
     log = []
     samples = timing.interleaved_samples([lambda: log.append("a"), lambda: log.append("b")],
-                                         [3, 2], rounds=2, warmup=[0.002, 0.0])
+                                         [3, 2], rounds=2, warmup=[0.002, 0.0],
+                                         warmup_calls=[3, 3])
     assert [len(s) for s in samples] == [2, 2]
-    # Round 0 starts with a, round 1 with b; a's warm-up adds at least one untimed call.
+    # Round 0 starts with a, round 1 with b; a's warm-up adds at least three untimed calls, b
+    # (no warm-up: a long call) none.
     first_b = log.index("b")
-    assert first_b > 3 and log[:first_b] == ["a"] * first_b
-    assert log.count("b") == 2 * 2 and log.count("a") >= 2 * (3 + 1)
+    assert first_b >= 3 + 3 and log[:first_b] == ["a"] * first_b
+    assert log.count("b") == 2 * 2 and log.count("a") >= 2 * (3 + 3)
 
     calls = []
-    timing.warm_up(lambda: calls.append(1), 0.0)
+    timing.warm_up(lambda: calls.append(1), 0.0, 3)
     assert calls == []
-    timing.warm_up(lambda: calls.append(1), 1.0)  # a call longer than the warm-up: once
-    assert len(calls) >= 1
+
+    def slow_call():  # a call longer than the whole warm-up: still min_calls of them
+        calls.append(1)
+        time.sleep(0.002)
+
+    timing.warm_up(slow_call, 0.001, 3)
+    assert len(calls) == 3
 
 
 def test_cpus_taken_by_other_processes():

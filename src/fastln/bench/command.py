@@ -144,8 +144,8 @@ def add_arguments(parser):
                      f"GOMP_SPINCOUNT={GOMP_SPIN_COUNT}, so that idle OpenMP workers stay awake "
                      "between one library's back-to-back calls but soon stop spinning on the "
                      "cores the next one needs (ONNX Runtime's spin for "
-                     f"{ONNXRUNTIME_SPIN_MICROSECONDS} µs), and every sample follows 1 ms of "
-                     "untimed calls; set GOMP_SPINCOUNT or "
+                     f"{ONNXRUNTIME_SPIN_MICROSECONDS} µs), and every sample follows 1 ms and "
+                     "at least 3 untimed calls; set GOMP_SPINCOUNT or "
                      "OMP_WAIT_POLICY yourself to measure in this process with your policy "
                      "(OMP_WAIT_POLICY=passive stops ONNX Runtime's spinning too).")
     parser.add_argument("--ops", type=_choices("--ops", OPS), default=DEFAULT_OPS,

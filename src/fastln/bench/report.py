@@ -115,8 +115,11 @@ def header_lines(report):
     rounds_text = (f"{rounds} rounds" if isinstance(rounds, int)
                    else f"{rounds[0]}-{rounds[1]} rounds")
     software += wait_policy(report)
-    warmup = (f", each after {settings['warmup_seconds'] * 1e3:g} ms of untimed calls (none "
-              f"for calls over {settings['warmup_max_call_seconds'] * 1e3:g} ms)"
+    min_calls = settings.get("warmup_min_calls", 1)
+    calls = (f" and at least {min_calls} untimed calls" if min_calls > 1
+             else " of untimed calls")
+    warmup = (f", each after {settings['warmup_seconds'] * 1e3:g} ms{calls} "
+              f"(none for calls over {settings['warmup_max_call_seconds'] * 1e3:g} ms)"
               if settings.get("warmup_seconds") else "")
     others = report.get("other_processes_cpus")
     others = (f", other processes busy on {others:.2f} CPUs meanwhile" if others is not None

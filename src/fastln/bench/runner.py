@@ -6,8 +6,8 @@ are measured together, as one group: each threaded implementation once per threa
   1. prepares every contestant (buffers, sessions: untimed),
   2. warms each one up with one call and checks its result against fastln's first rows,
   3. calibrates how many calls make a sample of at least `min_sample_seconds`,
-  4. takes interleaved rounds of samples, each after a millisecond of untimed calls
-     (fastln.bench.timing), and summarizes them,
+  4. takes interleaved rounds of samples, each after a millisecond and at least three untimed
+     calls (fastln.bench.timing), and summarizes them,
 and reports time, effective bandwidth, the fraction of the machine's copy bandwidth at the same
 thread count and fastln's speed-up against every other implementation, paired round by round
 with fastln at the same thread count.
@@ -57,6 +57,7 @@ class BenchConfig:
             "out_buffer": self.out_buffer,
             "min_sample_seconds": self.schedule.min_sample_seconds,
             "warmup_seconds": self.schedule.warmup_seconds,
+            "warmup_min_calls": self.schedule.warmup_min_calls,
             "warmup_max_call_seconds": self.schedule.warmup_max_call_seconds,
             "rounds": (self.schedule.fixed_rounds if self.schedule.fixed_rounds is not None
                        else [min(self.schedule.min_rounds, self.schedule.slow_min_rounds),
@@ -151,7 +152,8 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
     samples = timing.interleaved_samples(
         [prepared.call for prepared in prepared_calls],
         [n_calls for _, _, n_calls in measured], rounds,
-        before_sample=[prepared.before_sample for prepared in prepared_calls], warmup=warmups)
+        before_sample=[prepared.before_sample for prepared in prepared_calls], warmup=warmups,
+        warmup_calls=[schedule.warmup_min_calls] * len(prepared_calls))
     by_contestant = {(implementation.name, threads): (prepared, n_calls, contestant_samples)
                      for (implementation, threads, n_calls), prepared, contestant_samples
                      in zip(measured, prepared_calls, samples)}

@@ -46,14 +46,19 @@ class Schedule:
     where NumPy alone takes a second) makes do with `slow_min_rounds`, so that the default run
     stays near two minutes. `fixed_rounds` (--repeat) overrides all of it.
 
-    Each sample follows `warmup_seconds` of untimed calls (at least one), except for calls longer
-    than `warmup_max_call_seconds`: waking a pool or sharing a core with another pool's last
-    half-millisecond of spinning is then under 2% of one call, and an extra call would make the
-    largest cases last twice as long.
+    Each sample follows `warmup_seconds` of untimed calls, and at least `warmup_min_calls` of
+    them, except for calls longer than `warmup_max_call_seconds`: waking a pool or sharing a core
+    with another pool's last half-millisecond of spinning is then under 2% of one call, and extra
+    calls would make the largest cases last twice as long. The calls, not only the time, matter
+    where the implementation before left the cache full of its own dirty data: after NumPy's
+    naive backward at 4096x768 float32, fastln's next calls took 3.7, 3.4, 2.8, 2.3, then 2.0 ms
+    (the write-backs of NumPy's temporaries), and one 1 ms warm-up call left most of that in the
+    sample of whichever implementation followed NumPy.
     """
 
     min_sample_seconds: float = 0.002
     warmup_seconds: float = 0.001
+    warmup_min_calls: int = 3
     warmup_max_call_seconds: float = 0.02
     min_rounds: int = 5
     max_rounds: int = 25
@@ -101,26 +106,31 @@ def calibrate(call, first_call_seconds, min_sample_seconds):
     return max(1, math.ceil(min_sample_seconds / max(seconds_per_call, 1e-9))), seconds_per_call
 
 
-def warm_up(call, seconds):
-    """Run call untimed for at least `seconds` (at least once when seconds > 0)."""
+def warm_up(call, seconds, min_calls=1):
+    """Run call untimed for at least `seconds` and at least `min_calls` times (nothing when
+    seconds <= 0)."""
     if seconds <= 0:
         return
     end = time.perf_counter() + seconds
-    call()
+    for _ in range(max(min_calls, 1)):
+        call()
     while time.perf_counter() < end:
         call()
 
 
-def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, warmup=None):
+def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, warmup=None,
+                        warmup_calls=None):
     """samples[i][r]: seconds per call of calls[i] in round r; round r starts at call r % n.
 
     before_sample[i], if not None, runs untimed before each sample of calls[i], and then calls[i]
-    itself for warmup[i] seconds (see warm_up). The garbage collector is paused while timing, as
-    timeit does: a collection would land on whichever implementation happened to be running.
+    itself for warmup[i] seconds and at least warmup_calls[i] times (see warm_up). The garbage
+    collector is paused while timing, as timeit does: a collection would land on whichever
+    implementation happened to be running.
     """
     n = len(calls)
     before_sample = before_sample or [None] * n
     warmup = warmup or [0.0] * n
+    warmup_calls = warmup_calls or [1] * n
     samples: List[List[float]] = [[] for _ in range(n)]
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -130,7 +140,7 @@ def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, war
                 i = (round_index + offset) % n
                 if before_sample[i] is not None:
                     before_sample[i]()
-                warm_up(calls[i], warmup[i])
+                warm_up(calls[i], warmup[i], warmup_calls[i])
                 samples[i].append(time_calls(calls[i], calls_per_sample[i]))
     finally:
         if gc_was_enabled:
