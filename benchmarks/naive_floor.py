@@ -65,7 +65,7 @@ def main():
                     warmups.append(schedule.warmup_for(seconds_per_call))
                 samples = timing.interleaved_samples(
                     calls, calls_per_sample, ROUNDS, warmup=warmups,
-                    warmup_calls=[schedule.warmup_min_calls] * len(calls))
+                    warmup_min_calls=schedule.warmup_min_calls)
                 naive, floor, fastln_time = (1e6 * timing.summarize(s)["median_s"]
                                              for s in samples)
                 case = f"{op} {'x'.join(map(str, shape))} {dtype}"

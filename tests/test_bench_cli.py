@@ -309,7 +309,7 @@ def test_every_sample_follows_a_warm_up_except_for_long_calls():
     log = []
     samples = timing.interleaved_samples([lambda: log.append("a"), lambda: log.append("b")],
                                          [3, 2], rounds=2, warmup=[0.002, 0.0],
-                                         warmup_calls=[3, 3])
+                                         warmup_min_calls=3)
     assert [len(s) for s in samples] == [2, 2]
     # Round 0 starts with a, round 1 with b; a's warm-up adds at least three untimed calls, b
     # (no warm-up: a long call) none.

@@ -22,6 +22,13 @@ typedef struct {
     double rstd, x_scale, mean_dxhat_xhat;
 } fastln_rms_backward_row;
 
+/* x_hat = x * fastln_rms_x_scale(rstd): rstd, except 0 for the Inf rstd of an all-zero row
+ * with eps = 0 (x_hat is 0 there, as LayerNorm's for a constant row, not 0 * Inf = NaN). */
+FASTLN_INLINE double fastln_rms_x_scale(double rstd)
+{
+    return rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+}
+
 /* Backward rows go through the write pass together in groups of this many
  * (fastln_rms_norm_backward_rows), as LayerNorm's do. */
 #define FASTLN_RMS_BACKWARD_GROUP 8

@@ -149,9 +149,8 @@ static void FASTLN_NAME(fastln_rms_norm_forward_row)(
             return;
         }
     }
-    /* rstd = Inf here only for an all-zero row with eps = 0: x_hat is defined as 0 there (as
-     * LayerNorm does for a constant row), not 0 * Inf = NaN. */
-    const double x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+    /* rstd = Inf here only for an all-zero row with eps = 0 (fastln_rms_x_scale). */
+    const double x_scale = fastln_rms_x_scale(rstd);
     /* The elements up to y's next cache line first, then whole-line stores
      * (fastln_elements_to_line); elementwise, so the same bits whatever the split. */
     const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
@@ -248,6 +247,24 @@ FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write_rows_double)(
                 dx + r * stride + i, &rows[r], dgamma_acc + i);
 }
 
+/* The backward's write pass over n_rows consecutive rows (one, or a group): the columns up to
+ * dx's next cache line first, then whole-line stores (fastln_elements_to_line). The rows of a
+ * group all start at the same offset from a line only when a row is a whole number of lines;
+ * otherwise the group is stored as it comes. Elementwise: the same bits whatever the split. */
+FASTLN_INLINE void FASTLN_NAME(fastln_rms_backward_write)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_T *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc)
+{
+    const int64_t head = n_rows == 1 || n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
+                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    if (head > 0)
+        FASTLN_NAME(fastln_rms_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, rows,
+                                                    dgamma_acc);
+    FASTLN_NAME(fastln_rms_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
+                                                dx + head, n_rows, n_cols, n_cols - head, rows,
+                                                dgamma_acc + head);
+}
+
 /* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is beyond
  * the cache's range (float32 values below ~1e-38, float64 ones below ~1e-308 with eps = 0), so
  * it is taken again from x, all in double, every scaling an exact power of two, in plain loops
@@ -308,15 +325,9 @@ static void FASTLN_NAME(fastln_rms_norm_backward_row)(
         return;
     fastln_rms_backward_row row;
     row.rstd = rstd;
-    row.x_scale = rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+    row.x_scale = fastln_rms_x_scale(rstd);
     row.mean_dxhat_xhat = FASTLN_NAME(fastln_rms_backward_mean)(dy, x, gamma, row.x_scale, n_cols);
-    /* The elements up to dx's next cache line first, then whole-line stores, as the forward. */
-    const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
-    FASTLN_NAME(fastln_rms_backward_write_rows)(dy, x, gamma, dx, 1, n_cols, head, &row,
-                                                dgamma_acc);
-    FASTLN_NAME(fastln_rms_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
-                                                dx + head, 1, n_cols, n_cols - head, &row,
-                                                dgamma_acc + head);
+    FASTLN_NAME(fastln_rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc);
 }
 
 /* Backward of n_rows <= FASTLN_RMS_BACKWARD_GROUP consecutive rows (rstd: their cache entries):
@@ -334,7 +345,8 @@ static void FASTLN_NAME(fastln_rms_norm_backward_rows)(
     fastln_rms_backward_row rows[FASTLN_RMS_BACKWARD_GROUP];
     int grouped = n_rows <= FASTLN_RMS_BACKWARD_GROUP;
     for (int64_t r = 0; grouped && r < n_rows; r++) {
-        rows[r].rstd = rows[r].x_scale = (double)rstd[r];
+        rows[r].rstd = (double)rstd[r];
+        rows[r].x_scale = fastln_rms_x_scale(rows[r].rstd);
         grouped = !isinf(rows[r].rstd) && FASTLN_NAME(fastln_rms_backward_in_vectors)(&rows[r]);
     }
     if (!grouped) {
@@ -347,14 +359,5 @@ static void FASTLN_NAME(fastln_rms_norm_backward_rows)(
     for (int64_t r = 0; r < n_rows; r++)
         rows[r].mean_dxhat_xhat = FASTLN_NAME(fastln_rms_backward_mean)(
             dy + r * n_cols, x + r * n_cols, gamma, rows[r].x_scale, n_cols);
-    /* The columns up to dx's next cache line first, as the single-row pass; the rows all start
-     * at the same offset from a line only when a row is a whole number of lines. */
-    const int64_t head = n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
-                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
-    if (head > 0)
-        FASTLN_NAME(fastln_rms_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, rows,
-                                                    dgamma_acc);
-    FASTLN_NAME(fastln_rms_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
-                                                dx + head, n_rows, n_cols, n_cols - head, rows,
-                                                dgamma_acc + head);
+    FASTLN_NAME(fastln_rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc);
 }

@@ -153,7 +153,7 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
         [prepared.call for prepared in prepared_calls],
         [n_calls for _, _, n_calls in measured], rounds,
         before_sample=[prepared.before_sample for prepared in prepared_calls], warmup=warmups,
-        warmup_calls=[schedule.warmup_min_calls] * len(prepared_calls))
+        warmup_min_calls=schedule.warmup_min_calls)
     by_contestant = {(implementation.name, threads): (prepared, n_calls, contestant_samples)
                      for (implementation, threads, n_calls), prepared, contestant_samples
                      in zip(measured, prepared_calls, samples)}

@@ -119,18 +119,17 @@ def warm_up(call, seconds, min_calls=1):
 
 
 def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, warmup=None,
-                        warmup_calls=None):
+                        warmup_min_calls=1):
     """samples[i][r]: seconds per call of calls[i] in round r; round r starts at call r % n.
 
     before_sample[i], if not None, runs untimed before each sample of calls[i], and then calls[i]
-    itself for warmup[i] seconds and at least warmup_calls[i] times (see warm_up). The garbage
+    itself for warmup[i] seconds and at least warmup_min_calls times (see warm_up). The garbage
     collector is paused while timing, as timeit does: a collection would land on whichever
     implementation happened to be running.
     """
     n = len(calls)
     before_sample = before_sample or [None] * n
     warmup = warmup or [0.0] * n
-    warmup_calls = warmup_calls or [1] * n
     samples: List[List[float]] = [[] for _ in range(n)]
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -140,7 +139,7 @@ def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, war
                 i = (round_index + offset) % n
                 if before_sample[i] is not None:
                     before_sample[i]()
-                warm_up(calls[i], warmup[i], warmup_calls[i])
+                warm_up(calls[i], warmup[i], warmup_min_calls)
                 samples[i].append(time_calls(calls[i], calls_per_sample[i]))
     finally:
         if gc_was_enabled:
