@@ -14,7 +14,7 @@ from conftest import DTYPES, assert_bitwise_equal, random_input, random_params
 
 import fastln
 from fastln import _family_kernels, _kernels
-from fastln._layer_norm import RowNormCache
+from fastln._caches import RowNormCache
 
 FAST_FUNCTIONS = (
     (_kernels, "layer_norm_forward_fast"),

@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_bitwise_equal
 
 import fastln
-from fastln._validation import resolve_num_threads
+from fastln._threads import resolve_num_threads
 
 needs_openmp = pytest.mark.skipif(not fastln._kernels.openmp_enabled(),
                                   reason="fastln was built without OpenMP")

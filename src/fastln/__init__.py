@@ -7,59 +7,64 @@ pure-Python version every kernel is tested against.
 Optional companions, imported on demand (their dependencies are optional): ``fastln.torch``
 (PyTorch modules), ``fastln.dask`` (Dask arrays). float16 and bfloat16 (``ml_dtypes``) inputs
 work with layer_norm, rms_norm and the fused add variants.
-"""
-from fastln._add_norm import (
-    add_layer_norm,
-    add_layer_norm_forward,
-    add_rms_norm,
-    add_rms_norm_forward,
-)
-from fastln._batch_norm import (
-    BatchNormCache,
-    batch_norm,
-    batch_norm_backward,
-    batch_norm_forward,
-)
-from fastln._config import show_config
-from fastln._layer_norm import (
-    LayerNormCache,
-    layer_norm,
-    layer_norm_backward,
-    layer_norm_forward,
-)
-from fastln._memory import output_cache_info, set_output_cache
-from fastln._rms_norm import (
-    RMSNormCache,
-    rms_norm,
-    rms_norm_backward,
-    rms_norm_forward,
-)
-from fastln._threads import get_num_threads, num_threads, set_num_threads
-from fastln._version import __version__
-from fastln import reference  # noqa: E402  (the readable twin of every function above)
 
-__all__ = [
-    "BatchNormCache",
-    "LayerNormCache",
-    "RMSNormCache",
-    "__version__",
-    "add_layer_norm",
-    "add_layer_norm_forward",
-    "add_rms_norm",
-    "add_rms_norm_forward",
-    "batch_norm",
-    "batch_norm_backward",
-    "batch_norm_forward",
-    "get_num_threads",
-    "layer_norm",
-    "layer_norm_backward",
-    "layer_norm_forward",
-    "num_threads",
-    "output_cache_info",
-    "rms_norm",
-    "rms_norm_backward",
-    "rms_norm_forward",
-    "set_num_threads",
-    "set_output_cache",
-    "show_config",
-]
+The functions that run the compiled kernels are imported with the package; where the extension
+cannot be loaded (a broken build), ``import fastln.reference`` and the cache classes still work,
+and the first use of any other function raises the ImportError that loading gave: a broken
+build does not take the readable oracle with it.
+"""
+import importlib
+
+from fastln import reference
+from fastln._caches import BatchNormCache, LayerNormCache, RMSNormCache
+from fastln._version import __version__
+
+# Public name -> the module that defines it (each of these loads the compiled kernels).
+_COMPILED = {
+    "add_layer_norm": "fastln._add_norm",
+    "add_layer_norm_forward": "fastln._add_norm",
+    "add_rms_norm": "fastln._add_norm",
+    "add_rms_norm_forward": "fastln._add_norm",
+    "batch_norm": "fastln._batch_norm",
+    "batch_norm_backward": "fastln._batch_norm",
+    "batch_norm_forward": "fastln._batch_norm",
+    "get_num_threads": "fastln._threads",
+    "layer_norm": "fastln._layer_norm",
+    "layer_norm_backward": "fastln._layer_norm",
+    "layer_norm_forward": "fastln._layer_norm",
+    "num_threads": "fastln._threads",
+    "output_cache_info": "fastln._memory",
+    "rms_norm": "fastln._rms_norm",
+    "rms_norm_backward": "fastln._rms_norm",
+    "rms_norm_forward": "fastln._rms_norm",
+    "set_num_threads": "fastln._threads",
+    "set_output_cache": "fastln._memory",
+    "show_config": "fastln._config",
+}
+
+__all__ = sorted(["BatchNormCache", "LayerNormCache", "RMSNormCache", "__version__",
+                  *_COMPILED])
+
+
+
+
+def _load_compiled():
+    """Import every compiled-backed function into this namespace; the ImportError, if any."""
+    try:
+        functions = {name: getattr(importlib.import_module(module), name)
+                     for name, module in _COMPILED.items()}
+    except ImportError as error:
+        return error
+    globals().update(functions)
+    return None
+
+
+_LOAD_ERROR = _load_compiled()
+
+
+def __getattr__(name):
+    if name in _COMPILED and _LOAD_ERROR is not None:
+        raise ImportError(f"fastln.{name} needs fastln's compiled kernels, which could not be "
+                          f"loaded ({_LOAD_ERROR}); fastln.reference works without them") \
+            from _LOAD_ERROR
+    raise AttributeError(f"module 'fastln' has no attribute {name!r}")

@@ -7,34 +7,23 @@ sum). The caches are the plain LayerNorm / RMSNorm caches of s, so the ordinary 
 import numpy as np
 
 from fastln import _family_kernels, _half_kernels
-from fastln._layer_norm import LayerNormCache
-from fastln._output_cache import empty_output
-from fastln._rms_norm import RMSNormCache
-from fastln._validation import (
-    as_array,
+from fastln._caches import LayerNormCache, RMSNormCache
+from fastln._checks import (
     as_kernel_array,
     check_eps,
     check_input,
     check_out,
     check_param,
+    check_residual,
     compute_dtype,
     half_kind,
     is_half,
     normalize_axis,
-    output_dtype,
     protect_from_output,
-    resolve_num_threads,
     rows_and_cols,
 )
-
-
-def check_residual(residual, x):
-    """residual: a real array of exactly x's shape (no broadcasting); cast later to y's dtype."""
-    residual = as_array(residual, "residual")
-    output_dtype(residual.dtype, "residual", allow_half=True)  # TypeError for complex, object, ...
-    if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {residual.shape}, expected x.shape = {x.shape}")
-    return residual
+from fastln._output_cache import empty_output
+from fastln._threads import resolve_num_threads
 
 
 def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,

@@ -5,171 +5,29 @@ and (biased, population) variance per feature, over every other axis of x. In tr
 normalizes with those batch statistics and folds them into the running statistics; in
 evaluation mode it normalizes with the running statistics.
 """
-import math
-import numbers
 
 import numpy as np
 
 from fastln import _family_kernels
-from fastln._layer_norm import check_cache
-from fastln._output_cache import empty_output
-from fastln._validation import (
-    _describe_dtype,
+from fastln._caches import BatchNormCache, check_cache
+from fastln._checks import (
     as_array,
     as_kernel_array,
-    check_eps,
-    check_input,
+    check_batch_norm_args,
+    check_feature_param,
     check_out,
-    normalize_axis,
+    feature_layout,
     protect_from_output,
-    resolve_num_threads,
 )
+from fastln._output_cache import empty_output
+from fastln._threads import resolve_num_threads
 
 FLOAT64 = np.dtype(np.float64)
 
 
-class BatchNormCache:
-    """What batch_norm_backward needs from a forward call, in O(features) memory.
-
-    Attributes
-    ----------
-    mean, rstd : float64 ndarray of shape (x.shape[axis],)
-        The statistics the forward normalized with, exactly as it used them (float64 even for
-        float32 x, so that the backward of a large-offset feature loses nothing): the batch mean
-        and 1 / sqrt(var + eps) in training mode, the running mean and
-        1 / sqrt(running_var + eps) in evaluation mode.
-    x : ndarray
-        The forward's input itself, not a copy: it must not be modified before the backward.
-    axis : int
-        The feature axis (non-negative).
-    eps : float
-    training : bool
-        Which mode the forward ran in (the backward differs).
-    dtype : numpy.dtype
-        y's dtype.
-    """
-
-    op = "batch_norm"
-    __slots__ = ("x", "mean", "rstd", "axis", "eps", "training", "dtype")
-
-    def __init__(self, x, mean, rstd, axis, eps, training, dtype):
-        self.x = x
-        self.mean = mean
-        self.rstd = rstd
-        self.axis = axis
-        self.eps = eps
-        self.training = training
-        self.dtype = dtype
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    def __repr__(self):
-        return (f"BatchNormCache(shape={self.shape}, axis={self.axis}, dtype={self.dtype.name}, "
-                f"eps={self.eps}, training={self.training})")
-
-
 # ---------------------------------------------------------------------------------------------
-# Argument checks (shared with fastln.reference.batch_norm*)
+# The running statistics (shared with fastln.nn.BatchNorm)
 # ---------------------------------------------------------------------------------------------
-
-def feature_layout(shape, axis):
-    """(n_outer, n_features, n_inner): x as a C-order (outer, feature, inner) block."""
-    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-
-
-def check_feature_param(param, name, n_features, dtype):
-    """gamma/beta of BatchNorm: None, or shape (x.shape[axis],), cast to dtype, as float64."""
-    if param is None:
-        return None
-    array = as_array(param, name)
-    if array.dtype.kind not in "biuf":
-        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
-                        f"floating, integer or bool array (it is cast to {dtype.name})")
-    if array.shape != (n_features,):
-        raise ValueError(f"{name} has shape {array.shape}, expected (x.shape[axis],) = "
-                         f"({n_features},)")
-    # Cast to y's dtype first (as LayerNorm does with its parameters), then to float64 for the
-    # per-feature constants.
-    return np.array(array.astype(dtype), dtype=FLOAT64)
-
-
-def check_running(running, name, n_features, training):
-    """running_mean / running_var: shape (x.shape[axis],).
-
-    In training mode they are updated in place, so they must be writeable ndarrays of a real
-    floating dtype (any strides and byte order). In evaluation mode they are only read: any real
-    array_like. Returns the array to update (training) or a float64 copy (evaluation).
-    """
-    if training and not isinstance(running, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray (it is updated in place in training "
-                        f"mode), got {type(running).__name__}")
-    array = as_array(running, name)
-    kinds = "f" if training else "biuf"
-    if array.dtype.kind not in kinds:
-        expected = ("a real floating dtype (it is updated in place)" if training
-                    else "a real floating, integer or bool dtype")
-        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected {expected}")
-    if array.shape != (n_features,):
-        raise ValueError(f"{name} has shape {array.shape}, expected (x.shape[axis],) = "
-                         f"({n_features},)")
-    if training:
-        if not array.flags.writeable:
-            raise ValueError(f"{name} is read-only, but training mode updates it in place")
-        return array
-    return np.array(array, dtype=FLOAT64)
-
-
-def check_momentum(momentum):
-    """momentum as a float in [0, 1] (the weight of the old running value)."""
-    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, numbers.Real):
-        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
-    value = float(momentum)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"momentum must be in [0, 1] (the weight of the old running value), "
-                         f"got {momentum!r}")
-    return value
-
-
-def check_training(training):
-    if not isinstance(training, (bool, np.bool_)):
-        raise TypeError(f"training must be a bool, got {type(training).__name__}")
-    return bool(training)
-
-
-def check_batch_norm_args(x, gamma, beta, running_mean, running_var, training, momentum, eps,
-                          axis, num_threads):
-    """Every check of batch_norm's arguments, before any work; returns them normalized."""
-    x, dtype = check_input(x)
-    axis = normalize_axis(axis, x.ndim)
-    n_outer, n_features, n_inner = feature_layout(x.shape, axis)
-    training = check_training(training)
-    gamma = check_feature_param(gamma, "gamma", n_features, dtype)
-    beta = check_feature_param(beta, "beta", n_features, dtype)
-    if (running_mean is None) != (running_var is None):
-        given, missing = (("running_mean", "running_var") if running_var is None
-                          else ("running_var", "running_mean"))
-        raise ValueError(f"{given} was given without {missing}: pass both running statistics "
-                         "or neither")
-    if running_mean is None and not training:
-        raise ValueError("batch_norm with training=False normalizes with the running "
-                         "statistics, so running_mean and running_var are required; pass "
-                         "training=True to normalize with the batch statistics")
-    if running_mean is not None:
-        running_mean = check_running(running_mean, "running_mean", n_features, training)
-        running_var = check_running(running_var, "running_var", n_features, training)
-        if training and np.may_share_memory(running_mean, running_var):
-            raise ValueError("running_mean and running_var overlap in memory")
-    momentum = check_momentum(momentum)
-    eps = check_eps(eps)
-    num_threads = resolve_num_threads(num_threads)
-    if training and n_features > 0 and n_outer * n_inner == 0:
-        raise ValueError(f"batch_norm in training mode needs at least one value per feature; "
-                         f"x has shape {x.shape} with feature axis {axis}")
-    return (x, dtype, axis, (n_outer, n_features, n_inner), gamma, beta, running_mean,
-            running_var, training, momentum, eps, num_threads)
-
 
 def update_running(running, momentum, batch_stat):
     """running = momentum * running + (1 - momentum) * batch_stat, in float64, in place."""
@@ -194,6 +52,7 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
     (x, dtype, axis, layout, gamma, beta, running_mean, running_var, training, momentum, eps,
      num_threads) = check_batch_norm_args(x, gamma, beta, running_mean, running_var, training,
                                           momentum, eps, axis, num_threads)
+    num_threads = resolve_num_threads(num_threads)
     n_outer, n_features, n_inner = layout
     if out is None:
         y = empty_output(x.shape, dtype)

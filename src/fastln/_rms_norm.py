@@ -2,9 +2,8 @@
 import numpy as np
 
 from fastln import _family_kernels, _half_kernels
-from fastln._layer_norm import RowNormCache, row_backward_arrays
-from fastln._output_cache import empty_output
-from fastln._validation import (
+from fastln._caches import RMSNormCache
+from fastln._checks import (
     as_kernel_array,
     check_eps,
     check_input,
@@ -15,18 +14,11 @@ from fastln._validation import (
     is_half,
     normalize_axis,
     protect_from_output,
-    resolve_num_threads,
     rows_and_cols,
 )
-
-
-class RMSNormCache(RowNormCache):
-    """What rms_norm_backward needs from a forward call, in O(rows) memory: the attributes of
-    :class:`fastln._layer_norm.RowNormCache` (x is the sum ``s`` for
-    :func:`fastln.add_rms_norm_forward`)."""
-
-    op = "rms_norm"
-    __slots__ = ()
+from fastln._layer_norm import row_backward_arrays
+from fastln._output_cache import empty_output
+from fastln._threads import resolve_num_threads
 
 
 def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from fastln import _half_kernels, _kernels
-
+from fastln._checks import check_num_threads
 
 _MAX_COUNT = 2**31 - 1  # OpenMP takes a C int
 
@@ -77,6 +77,18 @@ def set_num_threads(n: int) -> None:
     >>> fastln.set_num_threads(previous)
     """
     _half_kernels.set_default_num_threads(_check_count(n))
+
+
+def resolve_num_threads(num_threads):
+    """The thread count of a call: None means the default (get_num_threads()); a positive int.
+
+    Counts above fastln's cap (4 threads per processor, at least 64) are lowered to it: the
+    results are the same for every count, and a team of 10**5 threads could exhaust the process.
+    """
+    checked = check_num_threads(num_threads)
+    if checked is None:
+        return _kernels.default_num_threads()
+    return min(checked, _kernels.thread_cap())
 
 
 @contextlib.contextmanager

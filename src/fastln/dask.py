@@ -33,19 +33,18 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 import fastln
-from fastln._validation import (
+from fastln._checks import (
     check_eps,
     check_input,
+    check_num_threads,
     check_param,
     compute_dtype,
     normalize_axis,
     output_dtype,
-    resolve_num_threads,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     import dask.array
-
     from numpy.typing import ArrayLike
 
 __all__ = ["layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"]
@@ -62,7 +61,7 @@ def _dask_array() -> Any:
 
 def _check_num_threads(num_threads: Optional[int]) -> Optional[int]:
     if num_threads is not None:
-        resolve_num_threads(num_threads)  # the ValueError of fastln, before any work
+        check_num_threads(num_threads)  # the ValueError of fastln, before any work
     return num_threads
 
 

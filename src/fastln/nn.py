@@ -45,8 +45,9 @@ from collections import namedtuple
 import numpy as np
 
 import fastln
-from fastln._batch_norm import check_momentum, update_running, update_running_var
-from fastln._validation import as_array, check_eps, resolve_num_threads
+from fastln._batch_norm import update_running, update_running_var
+from fastln._checks import as_array, check_eps, check_momentum
+from fastln._threads import resolve_num_threads
 
 __all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
 

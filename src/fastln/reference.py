@@ -10,18 +10,22 @@ import math
 
 import numpy as np
 
-from fastln._layer_norm import LayerNormCache, check_cache
-from fastln._validation import (
+from fastln._caches import BatchNormCache, LayerNormCache, RMSNormCache, check_cache
+from fastln._checks import (
     as_array,
+    check_batch_norm_args,
     check_eps,
+    check_feature_param,
     check_input,
+    check_num_threads,
     check_out,
     check_out_keeps_x,
     check_param,
+    check_residual,
     compute_dtype,
+    feature_layout,
     is_half,
     normalize_axis,
-    resolve_num_threads,
     rows_and_cols,
 )
 
@@ -67,7 +71,7 @@ def _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache)
     gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     beta = check_param(beta, "beta", normalized_shape, stats_dtype)
     eps = check_eps(eps)
-    resolve_num_threads(num_threads)
+    check_num_threads(num_threads)
     if out is not None:
         check_out(out, x.shape, dtype)
         if keep_cache:                          # the cache keeps x: out must not overwrite it
@@ -111,7 +115,7 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     N, H = rows_and_cols(cache.shape, cache.axis)
     normalized_shape = cache.shape[cache.axis:]
     gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
-    resolve_num_threads(num_threads)
+    check_num_threads(num_threads)
     if out is not None:
         check_out(out, cache.shape, dtype)
 
@@ -145,15 +149,6 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 # The normalization family: RMSNorm, residual add + norm, BatchNorm (same conventions as above:
 # the caches are fastln's own, so caches work across the two implementations)
 # =============================================================================================
-
-from fastln._add_norm import check_residual  # noqa: E402  (the family's shared checks)
-from fastln._batch_norm import (  # noqa: E402
-    BatchNormCache,
-    check_batch_norm_args,
-    check_feature_param,
-    feature_layout,
-)
-from fastln._rms_norm import RMSNormCache  # noqa: E402
 
 __all__ += [
     "rms_norm", "rms_norm_forward", "rms_norm_backward",
@@ -190,7 +185,7 @@ def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
     normalized_shape = x.shape[axis:]
     gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
     eps = check_eps(eps)
-    resolve_num_threads(num_threads)
+    check_num_threads(num_threads)
     if out is not None:
         check_out(out, x.shape, dtype)
         if keep_cache:
@@ -235,7 +230,7 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     N, H = rows_and_cols(cache.shape, cache.axis)
     normalized_shape = cache.shape[cache.axis:]
     gamma = check_param(gamma, "gamma", normalized_shape, stats_dtype)
-    resolve_num_threads(num_threads)
+    check_num_threads(num_threads)
     if out is not None:
         check_out(out, cache.shape, dtype)
 
@@ -404,7 +399,7 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dtype = cache.dtype
     _, C, _ = feature_layout(cache.shape, cache.axis)
     gamma = check_feature_param(gamma, "gamma", C, dtype)
-    resolve_num_threads(num_threads)
+    check_num_threads(num_threads)
     if out is not None:
         check_out(out, cache.shape, dtype)
 

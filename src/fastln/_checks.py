@@ -1,15 +1,15 @@
 """Argument checking shared by every public function (kernels and reference alike).
 
 Everything here runs before any work: a bad argument raises a TypeError or ValueError that names
-it and says what was expected and what was given. Nothing here modifies its inputs.
+it and says what was expected and what was given. Nothing here modifies its inputs. Pure Python
+on purpose: fastln.reference uses these checks, and must keep working when the compiled kernels
+cannot be loaded.
 """
 import math
 import numbers
 import operator
 
 import numpy as np
-
-from fastln import _kernels
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -19,6 +19,7 @@ def _describe_dtype(dtype):
 
 
 FLOAT32 = FLOAT_DTYPES[0]
+FLOAT64 = FLOAT_DTYPES[1]
 
 
 def is_bfloat16(dtype):
@@ -109,18 +110,14 @@ def check_eps(eps):
     return value
 
 
-def resolve_num_threads(num_threads):
-    """None means OpenMP's default (OMP_NUM_THREADS); otherwise a positive int, exactly.
-
-    Counts above fastln's cap (4 threads per processor, at least 64) are lowered to it: the
-    results are the same for every count, and a team of 10**5 threads could exhaust the process.
-    """
+def check_num_threads(num_threads):
+    """None (the default count, see fastln._threads.resolve_num_threads) or a positive int."""
     if num_threads is None:
-        return _kernels.default_num_threads()
+        return None
     if (isinstance(num_threads, (bool, np.bool_))
             or not isinstance(num_threads, numbers.Integral) or num_threads < 1):
         raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}")
-    return min(int(num_threads), _kernels.thread_cap())
+    return int(num_threads)
 
 
 def rows_and_cols(shape, axis):
@@ -201,3 +198,111 @@ def protect_from_output(array, out):
     if array.size == out.size and same_memory(array, out.reshape(array.shape)):
         return array
     return array.copy()
+
+
+def check_residual(residual, x):
+    """residual: a real array of exactly x's shape (no broadcasting); cast later to y's dtype."""
+    residual = as_array(residual, "residual")
+    output_dtype(residual.dtype, "residual", allow_half=True)  # TypeError for complex, object, ...
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {residual.shape}, expected x.shape = {x.shape}")
+    return residual
+
+
+# BatchNorm's arguments: one mean and variance per feature (x.shape[axis]), over every other axis.
+
+def feature_layout(shape, axis):
+    """(n_outer, n_features, n_inner): x as a C-order (outer, feature, inner) block."""
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+def check_feature_param(param, name, n_features, dtype):
+    """gamma/beta of BatchNorm: None, or shape (x.shape[axis],), cast to dtype, as float64."""
+    if param is None:
+        return None
+    array = as_array(param, name)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
+                        f"floating, integer or bool array (it is cast to {dtype.name})")
+    if array.shape != (n_features,):
+        raise ValueError(f"{name} has shape {array.shape}, expected (x.shape[axis],) = "
+                         f"({n_features},)")
+    # Cast to y's dtype first (as LayerNorm does with its parameters), then to float64 for the
+    # per-feature constants.
+    return np.array(array.astype(dtype), dtype=FLOAT64)
+
+
+def check_running(running, name, n_features, training):
+    """running_mean / running_var: shape (x.shape[axis],).
+
+    In training mode they are updated in place, so they must be writeable ndarrays of a real
+    floating dtype (any strides and byte order). In evaluation mode they are only read: any real
+    array_like. Returns the array to update (training) or a float64 copy (evaluation).
+    """
+    if training and not isinstance(running, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray (it is updated in place in training "
+                        f"mode), got {type(running).__name__}")
+    array = as_array(running, name)
+    kinds = "f" if training else "biuf"
+    if array.dtype.kind not in kinds:
+        expected = ("a real floating dtype (it is updated in place)" if training
+                    else "a real floating, integer or bool dtype")
+        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected {expected}")
+    if array.shape != (n_features,):
+        raise ValueError(f"{name} has shape {array.shape}, expected (x.shape[axis],) = "
+                         f"({n_features},)")
+    if training:
+        if not array.flags.writeable:
+            raise ValueError(f"{name} is read-only, but training mode updates it in place")
+        return array
+    return np.array(array, dtype=FLOAT64)
+
+
+def check_momentum(momentum):
+    """momentum as a float in [0, 1] (the weight of the old running value)."""
+    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, numbers.Real):
+        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
+    value = float(momentum)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"momentum must be in [0, 1] (the weight of the old running value), "
+                         f"got {momentum!r}")
+    return value
+
+
+def check_training(training):
+    if not isinstance(training, (bool, np.bool_)):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    return bool(training)
+
+
+def check_batch_norm_args(x, gamma, beta, running_mean, running_var, training, momentum, eps,
+                          axis, num_threads):
+    """Every check of batch_norm's arguments, before any work; returns them normalized."""
+    x, dtype = check_input(x)
+    axis = normalize_axis(axis, x.ndim)
+    n_outer, n_features, n_inner = feature_layout(x.shape, axis)
+    training = check_training(training)
+    gamma = check_feature_param(gamma, "gamma", n_features, dtype)
+    beta = check_feature_param(beta, "beta", n_features, dtype)
+    if (running_mean is None) != (running_var is None):
+        given, missing = (("running_mean", "running_var") if running_var is None
+                          else ("running_var", "running_mean"))
+        raise ValueError(f"{given} was given without {missing}: pass both running statistics "
+                         "or neither")
+    if running_mean is None and not training:
+        raise ValueError("batch_norm with training=False normalizes with the running "
+                         "statistics, so running_mean and running_var are required; pass "
+                         "training=True to normalize with the batch statistics")
+    if running_mean is not None:
+        running_mean = check_running(running_mean, "running_mean", n_features, training)
+        running_var = check_running(running_var, "running_var", n_features, training)
+        if training and np.may_share_memory(running_mean, running_var):
+            raise ValueError("running_mean and running_var overlap in memory")
+    momentum = check_momentum(momentum)
+    eps = check_eps(eps)
+    num_threads = check_num_threads(num_threads)
+    if training and n_features > 0 and n_outer * n_inner == 0:
+        raise ValueError(f"batch_norm in training mode needs at least one value per feature; "
+                         f"x has shape {x.shape} with feature axis {axis}")
+    return (x, dtype, axis, (n_outer, n_features, n_inner), gamma, beta, running_mean,
+            running_var, training, momentum, eps, num_threads)
