@@ -1,8 +1,8 @@
 """This machine's memory bandwidth, measured with fastln's own streaming copy.
 
 LayerNorm reads each element once and writes it once, so the best it can do on data larger than
-the caches is the speed of a copy. The copy (include/fastln/copy.h, threaded in
-fastln._bandwidth) runs over a source and a destination each twice the last-level cache, so that
+the caches is the speed of a copy. The copy (_copy.h beside this file, threaded in
+fastln.bench._bandwidth) runs over a source and a destination each twice the last-level cache, so that
 neither can be served from cache, with the same thread counts as the benchmark.
 
 Bandwidth is counted as the bytes read plus the bytes written per second (2 x buffer / time), the
@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from fastln import _bandwidth
+from fastln.bench import _bandwidth
 
 MIB = 1 << 20
 MIN_BUFFER_BYTES = 128 * MIB      # per array
