@@ -31,7 +31,7 @@ if importlib.util.find_spec("pytest_benchmark") is None:
     collect_ignore_glob = ["test_*.py"]
 
 from fastln.bench.machine import usable_cpus  # noqa: E402
-from fastln.bench.ops.base import check_rows  # noqa: E402
+from fastln.bench.operation import check_rows  # noqa: E402
 from fastln.bench.timing import settle_allocator  # noqa: E402
 
 

@@ -359,7 +359,7 @@ def test_the_header_says_how_idle_workers_waited():
 def test_onnxruntime_workers_spin_briefly_unless_passive_or_too_old(monkeypatch):
     import onnxruntime
 
-    from fastln.bench.ops import base
+    from fastln.bench.peers import onnxruntime as base
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(onnxruntime, "__version__", "1.32.0")

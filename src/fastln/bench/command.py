@@ -38,7 +38,7 @@ import subprocess
 import sys
 
 from fastln.bench.ops import OPERATIONS
-from fastln.bench.ops.base import ONNXRUNTIME_SPIN_MICROSECONDS
+from fastln.bench.peers.onnxruntime import ONNXRUNTIME_SPIN_MICROSECONDS
 from fastln.bench.peers import PEERS
 
 STANDARD_SHAPES = ((1, 768), (8, 768), (64, 768), (512, 768), (4096, 768), (4096, 4096),

@@ -21,8 +21,9 @@ from typing import Optional, Tuple
 import numpy as np
 
 from fastln.bench import bandwidth, machine, peers, timing
-from fastln.bench.ops import OPERATIONS, compare_results
-from fastln.bench.ops.base import check_rows, onnxruntime_spinning
+from fastln.bench.operation import check_rows, compare_results, numpy_dtype
+from fastln.bench.ops import OPERATIONS
+from fastln.bench.peers.onnxruntime import onnxruntime_spinning
 from fastln.bench.progress import Progress
 
 SCHEMA = "fastln-bench/1"
@@ -73,17 +74,20 @@ def shape_label(shape):
     return "x".join(str(n) for n in shape)
 
 
-def _selected(operation, selected_peers):
+def _selected(operation, selected_peers, dtype):
+    """The implementations of `operation` to measure in `dtype`: fastln, and the selected peers'
+    that compute that dtype."""
     return [implementation for implementation in operation.implementations
-            if implementation.peer == "fastln" or implementation.peer in selected_peers]
+            if (implementation.peer == "fastln" or implementation.peer in selected_peers)
+            and implementation.supports(dtype)]
 
 
-def _contestants(operation, config):
+def _contestants(operation, config, dtype):
     """(implementation, threads) pairs to time, fastln at the first thread count first.
 
     Single-threaded implementations get threads=None: measured once, reported at every count.
     """
-    selected = _selected(operation, config.peers)
+    selected = _selected(operation, config.peers, dtype)
     pairs = [(implementation, threads) for threads in config.threads
              for implementation in selected if implementation.uses_threads]
     pairs += [(implementation, None) for implementation in selected
@@ -95,7 +99,7 @@ class NotMeasured(Exception):
     """A peer that failed or disagreed with fastln: reported with the reason, never timed."""
 
 
-def _prepare_and_check(implementation, threads, inputs, dtype, config, reference):
+def _prepare_and_check(implementation, threads, inputs, operation, dtype, config, reference):
     """(prepared, calls per sample, seconds per call, reference rows) for one contestant.
 
     The first fastln call's result becomes the reference (its first rows); every later
@@ -112,7 +116,7 @@ def _prepare_and_check(implementation, threads, inputs, dtype, config, reference
         if reference is None:
             reference = tuple(check_rows(array) for array in arrays)
         else:
-            mismatch = compare_results(arrays, reference, dtype)
+            mismatch = compare_results(arrays, reference, dtype, operation.tolerance_for(dtype))
             if mismatch:
                 raise NotMeasured(f"mismatch: {mismatch}")
         del result, arrays
@@ -134,10 +138,10 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
     (operation, shape, dtype), in table order: by thread count, then implementation."""
     prepared_calls, measured, warmups, failures = [], [], [], {}
     reference, round_seconds = None, 0.0
-    for implementation, threads in _contestants(operation, config):
+    for implementation, threads in _contestants(operation, config, dtype):
         try:
             prepared, n_calls, seconds_per_call, reference = _prepare_and_check(
-                implementation, threads, inputs, dtype, config, reference)
+                implementation, threads, inputs, operation, dtype, config, reference)
         except NotMeasured as exc:
             failures[(implementation.name, threads)] = str(exc)
             continue
@@ -159,15 +163,15 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
                      in zip(measured, prepared_calls, samples)}
     del prepared_calls
 
-    bytes_moved = operation.bytes_moved(shape, np.dtype(dtype).itemsize)
+    bytes_moved = operation.bytes_moved(shape, numpy_dtype(dtype).itemsize)
     records = []
     for threads in config.threads:
         copy_speed = bandwidth.copy_bandwidth_for(copy_results, threads)
         fastln_samples = by_contestant[("fastln", threads)][2]
         fastln_median = timing.summarize(fastln_samples)["median_s"]
-        for implementation in _selected(operation, config.peers):
+        for implementation in _selected(operation, config.peers, dtype):
             key = (implementation.name, threads if implementation.uses_threads else None)
-            record = {"op": operation.name, "shape": list(shape), "dtype": np.dtype(dtype).name,
+            record = {"op": operation.name, "shape": list(shape), "dtype": dtype,
                       "threads": threads, "implementation": implementation.name,
                       "peer": implementation.peer, "status": failures.get(key, "ok")}
             records.append(record)
@@ -199,7 +203,7 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results):
 def _group_memory_bytes(operation, shape, dtype, config):
     # Each extra thread count adds its own output buffers when --out-buffer is on.
     factor = operation.memory_factor + (3 * (len(config.threads) - 1) if config.out_buffer else 0)
-    return factor * int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return factor * int(np.prod(shape)) * numpy_dtype(dtype).itemsize
 
 
 def run_benchmark(config, command_line=None, log=sys.stderr):
@@ -233,7 +237,12 @@ def run_benchmark(config, command_line=None, log=sys.stderr):
         for operation, shape, dtype in groups:
             progress.set_description(f"{operation.name} {shape_label(shape)} {dtype}")
             needed = _group_memory_bytes(operation, shape, dtype, config)
-            if needed > memory_limit:
+            if dtype not in operation.dtypes:
+                skipped.append({
+                    "op": operation.name, "shape": list(shape), "dtype": dtype,
+                    "reason": f"fastln computes {operation.name} in "
+                              f"{', '.join(operation.dtypes)} only"})
+            elif needed > memory_limit:
                 skipped.append({
                     "op": operation.name, "shape": list(shape), "dtype": dtype,
                     "reason": f"needs about {needed / (1 << 30):.1f} GiB, more than "
