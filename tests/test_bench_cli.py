@@ -202,7 +202,7 @@ def test_malformed_shapes_exit_2_naming_the_option(shapes, capsys):
     assert "--shapes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value", [("--ops", "sideways"), ("--dtypes", "float16"),
+@pytest.mark.parametrize("option, value", [("--ops", "sideways"), ("--dtypes", "int32"),
                                            ("--threads", "0"), ("--threads", "two"),
                                            ("--peers", "tensorflow"), ("--repeat", "0")])
 def test_bad_options_exit_2_naming_the_option(option, value, capsys):

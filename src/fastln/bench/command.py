@@ -44,7 +44,8 @@ from fastln.bench.peers import PEERS
 STANDARD_SHAPES = ((1, 768), (8, 768), (64, 768), (512, 768), (4096, 768), (4096, 4096),
                    (32768, 1024))
 QUICK_SHAPES = ((1, 768), (64, 768), (4096, 768), (4096, 4096))
-DTYPES = ("float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+DEFAULT_DTYPES = ("float32", "float64")
 OPS = tuple(OPERATIONS)
 # libgomp's spin before an idle worker sleeps, in iterations of a pause loop (see above).
 GOMP_SPIN_COUNT = 10000
@@ -101,6 +102,17 @@ def parse_threads(text):
             raise argparse.ArgumentTypeError(
                 f"{item!r} is not a thread count: use positive integers or 'max'")
     return tuple(dict.fromkeys(counts))
+
+
+def parse_dtypes(text):
+    """'float32,bfloat16' -> ('float32', 'bfloat16'); bfloat16 needs ml_dtypes (checked here,
+    before anything is measured)."""
+    import importlib.util
+
+    dtypes = _choices("--dtypes", DTYPES)(text)
+    if "bfloat16" in dtypes and importlib.util.find_spec("ml_dtypes") is None:
+        raise argparse.ArgumentTypeError("bfloat16 needs ml_dtypes: pip install ml_dtypes")
+    return dtypes
 
 
 def parse_peers(text):
@@ -160,8 +172,12 @@ def add_arguments(parser):
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="comma-separated shapes like 1x768,4096x4096 (default: "
                              + ",".join("x".join(map(str, s)) for s in STANDARD_SHAPES) + ")")
-    parser.add_argument("--dtypes", type=_choices("--dtypes", DTYPES), default=DTYPES,
-                        help="float32, float64 or both (default: both)")
+    parser.add_argument("--dtypes", type=parse_dtypes, default=DEFAULT_DTYPES,
+                        help="comma-separated, from float16, bfloat16 (needs ml_dtypes), "
+                             "float32, float64 (default: float32,float64). The half formats run "
+                             "the LayerNorm, RMSNorm and fused add ops: fastln and PyTorch on "
+                             "half arrays, NumPy's naive code in float32 on a converted copy, "
+                             "ONNX Runtime in float16")
     parser.add_argument("--threads", type=parse_threads, default=None,
                         help="thread counts, e.g. 1,2 or 1,max (default: 1,max; --quick: max)")
     parser.add_argument("--peers", type=parse_peers, default=None,
