@@ -13,13 +13,11 @@ has no gradient ops that ONNX Runtime runs outside its training builds: no backw
                      attribute, float32(0.9), which the check allows for
 
 Every session runs alike: intra_op_num_threads as for the other libraries, one inter-op thread,
-sequential execution, idle workers as onnxruntime_spinning() says. float32, float64 and float16
+sequential execution, idle workers that do not spin (SESSION_CONFIG). float32, float64 and float16
 (bfloat16 arrays have no NumPy type ONNX Runtime's Python binding accepts). With --out-buffer
 the inputs and outputs are bound in place (IO binding): ONNX Runtime reads the NumPy inputs and
 writes into preallocated arrays.
 """
-import os
-
 import numpy as np
 
 from fastln.bench.operation import (
@@ -37,14 +35,9 @@ from fastln.bench.operation import (
 ONNX_RMS_OPSET = 23
 DTYPES = FULL_DTYPES + ("float16",)
 
-# How long ONNX Runtime's idle intra-op workers spin before they sleep: about as long as libgomp's
-# under the bench's GOMP_SPINCOUNT (fastln.bench.command), so that every library keeps its
-# workers awake between back-to-back calls and lets the cores go soon after its last one.
-ONNXRUNTIME_SPIN_MICROSECONDS = 200
-# session.intra_op.spin_duration_us came with microsoft/onnxruntime#27916 (March 2026) and is
-# listed among the new keys of 1.27; an older release would ignore it and spin for tens of
-# milliseconds after every run, so there the workers do not spin at all.
-ONNXRUNTIME_SPIN_DURATION_VERSION = (1, 27)
+# ONNX Runtime's idle intra-op workers spin for tens of milliseconds after every run by default,
+# on cores the next implementation needs: they are told not to spin at all (each run wakes them).
+SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
 
 def _version(module):
@@ -52,18 +45,8 @@ def _version(module):
 
 
 def onnxruntime_spinning():
-    """The session config entries for how ONNX Runtime's idle workers wait, as {key: value}.
-
-    With OMP_WAIT_POLICY=passive (the user's choice: idle OpenMP workers sleep at once) ONNX
-    Runtime's sleep at once too; otherwise they spin for ONNXRUNTIME_SPIN_MICROSECONDS.
-    """
-    import onnxruntime
-
-    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
-    if passive or _version(onnxruntime) < ONNXRUNTIME_SPIN_DURATION_VERSION:
-        return {"session.intra_op.allow_spinning": "0"}
-    return {"session.intra_op.allow_spinning": "1",
-            "session.intra_op.spin_duration_us": str(ONNXRUNTIME_SPIN_MICROSECONDS)}
+    """The session config entries for how ONNX Runtime's idle workers wait, as {key: value}."""
+    return dict(SESSION_CONFIG)
 
 
 def supports_rms_normalization():
