@@ -206,13 +206,20 @@ def add_arguments(parser):
     parser.error = _one_line_error(parser)
     parser.description = ("Time fastln's layer_norm forward and backward against NumPy "
                           "(naive and in place), PyTorch and ONNX Runtime when installed, in one "
-                          "process, interleaved, with the same thread count for all.")
+                          "process, interleaved, with the same thread count for all; or, with "
+                          "--accuracy, compare their errors against an exact reference.")
     parser.epilog = ("Measured with the OpenMP wait policy of this environment (set "
                      "OMP_WAIT_POLICY or GOMP_SPINCOUNT to time another); ONNX Runtime's "
                      "workers do not spin. Before each sample the runner waits until the "
                      "previous library's idle workers stopped spinning, then runs 1 ms and at "
                      "least 3 untimed calls; cases whose rounds disagree, or that are slower "
                      "with more threads, are measured again and flagged if they stay so.")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="instead of timing: each implementation's error against an exact "
+                             "reference on hard inputs (large offsets, constant rows, |x| near "
+                             "1e30, float16 above 7600, Inf/NaN), forward and backward, and "
+                             "whether it is bitwise the same on 1 and 2 threads (with --json / "
+                             "--markdown: those files too)")
     parser.add_argument("--ops", type=_choices("--ops", OPS), default=DEFAULT_OPS,
                         help="operations to time, comma-separated (default: forward,backward, "
                              "about two minutes). LayerNorm: forward, backward. The "
@@ -349,16 +356,28 @@ def output_files(args, log=None):
 
 
 def run(args):
-    """Run the benchmark, print the table, write the files; returns the exit status."""
+    """Run the benchmark (or --accuracy), print the table, write the files; the exit status."""
     from fastln.bench import report as output
 
-    from fastln.bench.runner import run_benchmark
+    command_line = getattr(args, "command_line", None)
+    if args.accuracy:
+        from fastln.bench import accuracy
 
-    files = output_files(args)
-    result = run_benchmark(build_config(args), command_line=getattr(args, "command_line", None))
-    sys.stdout.write(output.format_table(result))
-    writers = {"json": output.write_json, "markdown": output.write_markdown,
-               "plot": output.write_plot}
+        # Only the files asked for: --accuracy has no plot and writes nothing by default.
+        files = {kind: getattr(args, kind) for kind in ("json", "markdown")
+                 if getattr(args, kind)}
+        result = accuracy.run_accuracy(command_line, progress=not args.no_progress,
+                                       seed=args.seed)
+        sys.stdout.write(accuracy.format_table(result))
+        writers = {"json": output.write_json, "markdown": accuracy.write_markdown}
+    else:
+        from fastln.bench.runner import run_benchmark
+
+        files = output_files(args)
+        result = run_benchmark(build_config(args), command_line=command_line)
+        sys.stdout.write(output.format_table(result))
+        writers = {"json": output.write_json, "markdown": output.write_markdown,
+                   "plot": output.write_plot}
     for kind, path in files.items():
         writers[kind](result, path)
     if files:
