@@ -136,8 +136,8 @@ class _ParameterViews:
             ) -> Optional[tuple[Optional[np.ndarray], Optional[np.ndarray]]]:
         weight_ptr = None if weight is None else weight.data_ptr()
         bias_ptr = None if bias is None else bias.data_ptr()
-        if (weight is self.weight and bias is self.bias and weight_ptr == self.weight_ptr
-                and bias_ptr == self.bias_ptr):
+        if (weight_ptr == self.weight_ptr and bias_ptr == self.bias_ptr
+                and weight is self.weight and bias is self.bias):
             return self.arrays
         self.weight, self.bias, self.weight_ptr, self.bias_ptr = weight, bias, weight_ptr, bias_ptr
         readable = all(p is None or _handles(p) for p in (weight, bias))
@@ -153,8 +153,6 @@ def _module_views(module: torch.nn.Module) -> _ParameterViews:
 
 
 def _trailing_shape_is(input: torch.Tensor, shape: tuple) -> bool:
-    if len(shape) == 1:  # the usual normalized_shape, checked without slicing a torch.Size
-        return input.dim() >= 1 and input.shape[-1] == shape[0]
     return input.shape[-len(shape):] == shape
 
 
@@ -166,8 +164,9 @@ def _input_array(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _result(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """fastln's output as a tensor of like's dtype, without a copy when the dtypes agree."""
-    if array.dtype.kind == "f" and like.dtype != torch.bfloat16:
+    """fastln's output as a tensor of like's dtype, without a copy when the dtypes agree
+    (fastln returns x's float dtype for every dtype but bfloat16)."""
+    if like.dtype is not torch.bfloat16:
         return torch.from_numpy(array)
     return _to_torch(array, like)
 
@@ -381,25 +380,27 @@ class LayerNorm(torch.nn.LayerNorm):
         self.num_threads = num_threads
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # The common case in few steps, each of which costs against a 1-row call: outside
-        # torch.func, a CPU tensor of a handled dtype whose trailing shape is normalized_shape.
-        # (Parameters straight from _parameters: Module.__getattr__ costs as much as a check.)
         parameters, shape = self._parameters, self.normalized_shape
+        # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
         weight, bias = parameters.get("weight"), parameters.get("bias")
-        arrays = (_module_views(self).get(weight, bias) if _current_transform_level() is None
-                  else None)
-        if (arrays is not None and input.is_cpu and input.dtype in _HANDLED_DTYPES
+        if not torch.is_grad_enabled() and input.dtype in _NUMPY_DTYPES:
+            # Inference on a float16/32/64 tensor, in as few steps as possible (each costs
+            # against a 1-row call): numpy() itself refuses what fastln cannot read here (other
+            # devices, torch.func's wrappers), which then takes the general path below.
+            try:
+                arrays, x = _module_views(self).get(weight, bias), input.numpy()
+            except (RuntimeError, TypeError):
+                arrays = None
+            if arrays is not None and input.shape[-len(shape):] == shape:
+                return torch.from_numpy(fastln.layer_norm(
+                    x, arrays[0], arrays[1], self.eps, axis=input.dim() - len(shape),
+                    num_threads=self.num_threads))
+        if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
-            if torch.is_grad_enabled() and (input.requires_grad
-                                            or (weight is not None and weight.requires_grad)
-                                            or (bias is not None and bias.requires_grad)):
-                return _LayerNormFunction.apply(input, weight, bias, len(shape), self.eps,
-                                                self.num_threads, arrays)
-            x = (input.numpy() if input.dtype in _NUMPY_DTYPES and not input.requires_grad
-                 and input.is_contiguous() else _to_numpy(input))
-            y = fastln.layer_norm(x, arrays[0], arrays[1], self.eps,
-                                  axis=input.dim() - len(shape), num_threads=self.num_threads)
-            return _result(y, input)
+            arrays = _module_views(self).get(weight, bias)
+            if arrays is not None:
+                return _layer_norm(input, len(shape), weight, bias, arrays, self.eps,
+                                   self.num_threads)
         return layer_norm(input, shape, weight, bias, self.eps, num_threads=self.num_threads)
 
     def __getstate__(self) -> dict:
@@ -438,12 +439,21 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, shape = self._parameters.get("weight"), self.normalized_shape
         eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
-        # The common case in few steps, as in LayerNorm.forward.
-        arrays = (_module_views(self).get(weight, None) if _current_transform_level() is None
-                  else None)
-        if (arrays is not None and input.is_cpu and input.dtype in _HANDLED_DTYPES
+        if not torch.is_grad_enabled() and input.dtype in _NUMPY_DTYPES:
+            # Inference in as few steps as possible, as in LayerNorm.forward.
+            try:
+                arrays, x = _module_views(self).get(weight, None), input.numpy()
+            except (RuntimeError, TypeError):
+                arrays = None
+            if arrays is not None and input.shape[-len(shape):] == shape:
+                return torch.from_numpy(fastln.rms_norm(
+                    x, arrays[0], eps, axis=input.dim() - len(shape),
+                    num_threads=self.num_threads))
+        if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
-            return _rms_norm(input, len(shape), weight, arrays[0], eps, self.num_threads)
+            arrays = _module_views(self).get(weight, None)
+            if arrays is not None:
+                return _rms_norm(input, len(shape), weight, arrays[0], eps, self.num_threads)
         return rms_norm(input, shape, weight, eps, num_threads=self.num_threads)
 
     def __getstate__(self) -> dict:
