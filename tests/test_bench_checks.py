@@ -4,6 +4,7 @@ measurements taken again and flagged, a closing summary, files written by defaul
 
 No timing is asserted; the runs are tiny.
 """
+import hashlib
 import json
 import threading
 import time
@@ -112,35 +113,39 @@ def test_the_copy_probe_never_starts_more_threads_than_cpus():
 
 # --- waiting for idle workers ---------------------------------------------------------------
 
-def test_wait_for_idle_threads_waits_for_a_busy_thread():
-    stop = time.perf_counter() + 0.02
+def _busy_thread(until):
+    """A thread that keeps a CPU busy without holding the GIL (hashlib releases it for large
+    buffers) while until() is true; started and running when this returns."""
+    data, running = bytes(8 << 20), threading.Event()
 
-    def spin():
-        while time.perf_counter() < stop:
-            pass
+    def work():
+        running.set()
+        while until():
+            hashlib.sha256(data).digest()
 
-    worker = threading.Thread(target=spin)
+    worker = threading.Thread(target=work)
     worker.start()
-    try:
-        waited, idle = timing.wait_for_idle_threads(timeout=1.0)
-    finally:
-        worker.join()
+    running.wait()
+    return worker
+
+
+def test_wait_for_idle_threads_waits_for_a_busy_thread():
     if timing._other_threads_running() is None:
         pytest.skip("no /proc/self/task here: the wait is a fixed pause")
-    assert idle and waited >= 0.005
+    stop = time.perf_counter() + 0.05
+    worker = _busy_thread(lambda: time.perf_counter() < stop)
+    try:
+        waited, idle = timing.wait_for_idle_threads(timeout=2.0)
+    finally:
+        worker.join()
+    assert idle and waited >= 0.01
 
 
 def test_wait_for_idle_threads_gives_up_on_a_thread_that_never_sleeps():
     if timing._other_threads_running() is None:
         pytest.skip("no /proc/self/task here: the wait is a fixed pause")
     done = threading.Event()
-
-    def spin():
-        while not done.is_set():
-            pass
-
-    worker = threading.Thread(target=spin)
-    worker.start()
+    worker = _busy_thread(lambda: not done.is_set())
     try:
         waited, idle = timing.wait_for_idle_threads(timeout=0.02)
     finally:
