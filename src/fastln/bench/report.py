@@ -316,7 +316,8 @@ def write_plot(report, path):
     rows = [(op, dtype) for op in settings["ops"] for dtype in settings["dtypes"]
             if (op, dtype) in measured]
     n_columns = 2 * len(settings["threads"])
-    figure = Figure(figsize=(4.0 * n_columns, 3.4 * max(len(rows), 1) + 1.0),
+    # At least 11 inches wide, so that the title and the legend fit a single thread count.
+    figure = Figure(figsize=(max(4.0 * n_columns, 11.0), 3.4 * max(len(rows), 1) + 1.2),
                     layout="constrained")
     axes = figure.subplots(max(len(rows), 1), n_columns, squeeze=False)
     times = FuncFormatter(lambda value, _: f"{value:g}x")
@@ -355,9 +356,9 @@ def write_plot(report, path):
             legend.setdefault(label, handle)
     if legend:
         figure.legend(list(legend.values()), list(legend), loc="outside lower center",
-                      ncols=min(len(legend), 8))
+                      ncols=min(len(legend), 2 * n_columns + 1))
     described = report["machine"]
     figure.suptitle(f"fastln bench on {described['cpu_model']} "
-                    f"({described['usable_cpus']} usable CPUs): speed-up against each peer "
-                    f"(1x = parity) and bandwidth, by shape")
+                    f"({described['usable_cpus']} usable CPUs)\nspeed-up against each peer "
+                    f"(peer time / fastln time, 1x = parity) and bandwidth, by shape")
     figure.savefig(path, dpi=100)
