@@ -153,7 +153,10 @@ def _module_views(module: torch.nn.Module) -> _ParameterViews:
 
 
 def _trailing_shape_is(input: torch.Tensor, shape: tuple) -> bool:
-    return input.shape[-len(shape):] == shape
+    if len(shape) == 1:
+        # Ints, not torch.Size.__eq__, which goes through symbolic-shape helpers (PyTorch 2.13).
+        return input.dim() > 0 and input.shape[-1] == shape[0]
+    return tuple(input.shape[-len(shape):]) == tuple(shape)
 
 
 def _input_array(tensor: torch.Tensor) -> np.ndarray:
@@ -391,7 +394,7 @@ class LayerNorm(torch.nn.LayerNorm):
                 arrays, x = _module_views(self).get(weight, bias), input.numpy()
             except (RuntimeError, TypeError):
                 arrays = None
-            if arrays is not None and input.shape[-len(shape):] == shape:
+            if arrays is not None and _trailing_shape_is(input, shape):
                 return torch.from_numpy(fastln.layer_norm(
                     x, arrays[0], arrays[1], self.eps, axis=input.dim() - len(shape),
                     num_threads=self.num_threads))
@@ -445,7 +448,7 @@ class RMSNorm(torch.nn.RMSNorm):
                 arrays, x = _module_views(self).get(weight, None), input.numpy()
             except (RuntimeError, TypeError):
                 arrays = None
-            if arrays is not None and input.shape[-len(shape):] == shape:
+            if arrays is not None and _trailing_shape_is(input, shape):
                 return torch.from_numpy(fastln.rms_norm(
                     x, arrays[0], eps, axis=input.dim() - len(shape),
                     num_threads=self.num_threads))
