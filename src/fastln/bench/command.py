@@ -16,7 +16,7 @@ Defaults, and why:
   files    the JSON (every sample) and the plot go to fastln-bench.json and fastln-bench.png
            in the current directory unless --json/--plot name other files or --no-files is
            given; the last lines of the output say where they went.
-  --quick  four shapes up to 4096x4096, all CPUs only, shorter samples: under a minute.
+  --quick  four shapes up to 4096x4096, all CPUs only, shorter samples.
 
 Everything is measured in this process, with the OpenMP wait policy the user has (nothing is
 set: by default libgomp's idle workers spin for some milliseconds, then sleep), which is what a
@@ -44,7 +44,7 @@ QUICK_SHAPES = ((1, 768), (64, 768), (4096, 768), (4096, 4096))
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEFAULT_DTYPES = ("float32", "float64")
 OPS = tuple(OPERATIONS)
-# LayerNorm only, so that the default run stays at about two minutes; the normalization family
+# LayerNorm only, so that the default run stays at a few minutes; the normalization family
 # (rms_*, add_*, batch_norm_*) runs when --ops names it.
 DEFAULT_OPS = ("forward", "backward")
 DEFAULT_JSON = "fastln-bench.json"
@@ -222,7 +222,7 @@ def add_arguments(parser):
                              "--markdown: those files too)")
     parser.add_argument("--ops", type=_choices("--ops", OPS), default=DEFAULT_OPS,
                         help="operations to time, comma-separated (default: forward,backward, "
-                             "about two minutes). LayerNorm: forward, backward. The "
+                             "a few minutes). LayerNorm: forward, backward. The "
                              "normalization family, run only when named here: rms_forward, "
                              "rms_backward (RMSNorm); add_layer_norm, add_rms_norm (residual "
                              "add + norm, forward; returns y and the sum); batch_norm_train "
@@ -248,7 +248,7 @@ def add_arguments(parser):
                         help="interleaved rounds per case (default: 5-25, as many as fit in "
                              "0.6 s; 3 when a round takes over a second)")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer shapes, all CPUs only, shorter samples: under a minute")
+                        help="fewer shapes, all CPUs only, shorter samples")
     parser.add_argument("--out-buffer", action="store_true",
                         help="reuse one preallocated output where the implementation allows it")
     parser.add_argument("--json", metavar="FILE", type=writable_path, default=None,

@@ -30,8 +30,8 @@ import numpy as np
 # pages, one page fault per 4 KiB when first written, and unmaps them on free; once it has freed
 # such a block it raises the threshold to that size (up to 32 MiB), and blocks below it come from
 # its heap, already mapped. A long-running program is in that second state; a fresh one is not,
-# and there every NumPy temporary of 128 KiB or more pays its page faults on every call (the
-# naive backward at 64x768 float32: 375 us instead of 179 us on the development machine).
+# and there every NumPy temporary of 128 KiB or more pays its page faults on every call
+# (docs/performance.md, "Measuring NumPy's baselines in a settled process").
 SETTLE_ALLOCATOR_BYTES = 30 << 20
 
 
@@ -48,16 +48,14 @@ class Schedule:
     A case gets as many rounds as fit in `case_budget_seconds`, between `min_rounds` and
     `max_rounds`; a case whose round takes longer than `slow_round_seconds` (the largest arrays,
     where NumPy alone takes a second) makes do with `slow_min_rounds`, so that the default run
-    stays near two minutes. `fixed_rounds` (--repeat) overrides all of it.
+    stays at a few minutes. `fixed_rounds` (--repeat) overrides all of it.
 
     Each sample follows `warmup_seconds` of untimed calls, and at least `warmup_min_calls` of
-    them, except for calls longer than `warmup_max_call_seconds`: waking a pool or sharing a core
-    with another pool's last half-millisecond of spinning is then under 2% of one call, and extra
-    calls would make the largest cases last twice as long. The calls, not only the time, matter
-    where the implementation before left the cache full of its own dirty data: after NumPy's
-    naive backward at 4096x768 float32, fastln's next calls took 3.7, 3.4, 2.8, 2.3, then 2.0 ms
-    (the write-backs of NumPy's temporaries), and one 1 ms warm-up call left most of that in the
-    sample of whichever implementation followed NumPy.
+    them, except for calls longer than `warmup_max_call_seconds`: waking a pool is then a small
+    part of one call, and extra calls would make the largest cases last twice as long. The
+    calls, not only the time, matter where the implementation before left the cache full of its
+    own dirty data, whose write-backs would land in the next sample (docs/performance.md,
+    "Measuring each implementation in its own steady state").
     """
 
     min_sample_seconds: float = 0.002
