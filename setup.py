@@ -90,7 +90,7 @@ def extensions():
     )
     modules = [
         Extension("fastln._kernels", ["src/fastln/_kernels.pyx"], **common),
-        Extension("fastln._bandwidth", ["src/fastln/_bandwidth.pyx"], **common),
+        Extension("fastln.bench._bandwidth", ["src/fastln/bench/_bandwidth.pyx"], **common),
         Extension("fastln._output_cache", ["src/fastln/_output_cache.pyx"], **common),
     ]
     return cythonize(
