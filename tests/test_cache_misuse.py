@@ -246,9 +246,6 @@ FORGED = {
                           " False, bn.dtype)"),
     "bn-axis-out-of-range": ("batch_norm_backward", "dy",
                              "BatchNormCache(x, bn.mean, bn.rstd, 9, 1e-5, True, bn.dtype)"),
-    "bn-dtype-float16": ("batch_norm_backward", "dy.astype(np.float16)",
-                         "BatchNormCache(x.astype(np.float16), bn.mean, bn.rstd, 1, 1e-5, True,"
-                         " np.dtype(np.float16))"),
     "bn-dtype-tampered-float16": ("batch_norm_backward", "dy.astype(np.float16)",
                                   "tampered(bn, dtype=np.dtype(np.float16))"),
     "bn-x-swapped-for-a-bigger-one": ("batch_norm_backward", "np.ones((6, 800))",

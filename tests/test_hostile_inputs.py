@@ -89,7 +89,7 @@ SENTINEL = 7.0
 
 KERNEL_DTYPES = ["float32", "float64"]
 CONVERTED_DTYPES = ["int8", "int32", "int64", "uint8", "uint64", "bool"]
-HALF_DTYPES = ["float16"]  # kernels in the row functions; BatchNorm refuses it (TypeError)
+HALF_DTYPES = ["float16"]  # computed as the widened float32 values, rounded once
 REJECTED_DTYPES = ["longdouble", "complex64", "object", "str", "datetime64"]
 
 
@@ -117,12 +117,10 @@ def result_dtype(dtype_name, func=""):
     """What fastln computes for an input of that dtype (None: rejected with a TypeError).
 
     Used to build arguments (a "right" out, ...); the comparisons take the dtypes from the
-    reference's results. float16 has kernels in the row functions (not in BatchNorm).
+    reference's results. float16 has kernels in every function.
     """
-    if dtype_name in ("float32", "float64"):
+    if dtype_name in ("float32", "float64", "float16"):
         return np.dtype(dtype_name)
-    if dtype_name == "float16" and not func.startswith("batch_norm"):
-        return np.dtype(np.float16)
     if dtype_name in CONVERTED_DTYPES:
         return np.dtype(np.float64)
     return None
@@ -732,7 +730,7 @@ def backward_cases(draw, func, one_in=None):
     shape = tuple(n or 1 for n in draw(shapes()))
     ndim = len(shape)
     bn = func == "batch_norm_backward"
-    dtypes = KERNEL_DTYPES * 3 + CONVERTED_DTYPES + ([] if bn else HALF_DTYPES)
+    dtypes = KERNEL_DTYPES * 3 + CONVERTED_DTYPES + HALF_DTYPES
     dtype = draw(st.sampled_from(dtypes))
     return dict(
         func=func,

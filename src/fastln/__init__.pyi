@@ -197,16 +197,15 @@ def add_rms_norm_forward(x: npt.ArrayLike, residual: npt.ArrayLike, gamma: _Para
                          num_threads: int | None = None
                          ) -> tuple[_Array, _Array, RMSNormCache]: ...
 
-# --- BatchNorm (float32/float64 only: float16 and bfloat16 are a TypeError) ---------------------
+# --- BatchNorm -----------------------------------------------------------------------------------
 
-_Float32or64 = TypeVar("_Float32or64", np.float32, np.float64)
 
 @overload
-def batch_norm(x: npt.NDArray[_Float32or64], gamma: _Param = None, beta: _Param = None,
+def batch_norm(x: npt.NDArray[_Float], gamma: _Param = None, beta: _Param = None,
                running_mean: _Array | None = None, running_var: _Array | None = None, *,
                training: bool = False, momentum: float = 0.9, eps: float = 1e-5,
-               axis: int = -1, out: npt.NDArray[_Float32or64] | None = None,
-               num_threads: int | None = None) -> npt.NDArray[_Float32or64]: ...
+               axis: int = -1, out: npt.NDArray[_Float] | None = None,
+               num_threads: int | None = None) -> npt.NDArray[_Float]: ...
 @overload
 def batch_norm(x: npt.ArrayLike, gamma: _Param = None, beta: _Param = None,
                running_mean: npt.ArrayLike | None = None,
@@ -214,12 +213,12 @@ def batch_norm(x: npt.ArrayLike, gamma: _Param = None, beta: _Param = None,
                momentum: float = 0.9, eps: float = 1e-5, axis: int = -1,
                out: _Array | None = None, num_threads: int | None = None) -> _Array: ...
 @overload
-def batch_norm_forward(x: npt.NDArray[_Float32or64], gamma: _Param = None, beta: _Param = None,
+def batch_norm_forward(x: npt.NDArray[_Float], gamma: _Param = None, beta: _Param = None,
                        running_mean: _Array | None = None, running_var: _Array | None = None,
                        *, training: bool = False, momentum: float = 0.9, eps: float = 1e-5,
-                       axis: int = -1, out: npt.NDArray[_Float32or64] | None = None,
+                       axis: int = -1, out: npt.NDArray[_Float] | None = None,
                        num_threads: int | None = None
-                       ) -> tuple[npt.NDArray[_Float32or64], BatchNormCache]: ...
+                       ) -> tuple[npt.NDArray[_Float], BatchNormCache]: ...
 @overload
 def batch_norm_forward(x: npt.ArrayLike, gamma: _Param = None, beta: _Param = None,
                        running_mean: npt.ArrayLike | None = None,
@@ -228,11 +227,10 @@ def batch_norm_forward(x: npt.ArrayLike, gamma: _Param = None, beta: _Param = No
                        out: _Array | None = None, num_threads: int | None = None
                        ) -> tuple[_Array, BatchNormCache]: ...
 @overload
-def batch_norm_backward(dy: npt.NDArray[_Float32or64], cache: BatchNormCache,
-                        gamma: _Param = None, *, out: npt.NDArray[_Float32or64] | None = None,
+def batch_norm_backward(dy: npt.NDArray[_Float], cache: BatchNormCache,
+                        gamma: _Param = None, *, out: npt.NDArray[_Float] | None = None,
                         num_threads: int | None = None
-                        ) -> tuple[npt.NDArray[_Float32or64], npt.NDArray[_Float32or64],
-                                   npt.NDArray[_Float32or64]]: ...
+                        ) -> tuple[npt.NDArray[_Float], _Array, _Array]: ...
 @overload
 def batch_norm_backward(dy: npt.ArrayLike, cache: BatchNormCache, gamma: _Param = None, *,
                         out: _Array | None = None, num_threads: int | None = None

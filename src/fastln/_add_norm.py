@@ -27,7 +27,7 @@ from fastln._threads import resolve_num_threads
 def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_threads,
              keep_cache):
     name = "add_rms_norm" if rms else "add_layer_norm"
-    x, dtype = check_input(x, allow_half=True)
+    x, dtype = check_input(x)
     stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16 x, else dtype
     residual = check_residual(residual, x)
     axis = normalize_axis(axis, x.ndim)

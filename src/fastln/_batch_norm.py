@@ -16,6 +16,7 @@ from fastln._checks import (
     check_batch_norm_args,
     check_feature_param,
     check_out,
+    compute_dtype,
     feature_layout,
     protect_from_output,
 )
@@ -120,8 +121,8 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
     ----------
     x : array_like
         float32 and float64 are computed as they are; integer and bool as float64. Any strides,
-        order or byte order. BatchNorm has no half-precision kernel: float16 and bfloat16 are a
-        TypeError (convert with ``x.astype(np.float32)``).
+        order or byte order. float16 and bfloat16 (``ml_dtypes``) are computed as their widened
+        float32 values are and rounded once to their format (gamma and beta as float32).
     gamma, beta : array_like of shape ``(x.shape[axis],)``, optional
         Per-feature scale and shift, cast to the output dtype; None means ones and zeros.
     running_mean, running_var : ndarray of shape ``(x.shape[axis],)``, optional
@@ -240,8 +241,8 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     num_threads = resolve_num_threads(num_threads)
 
     dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
-    dgamma = np.zeros(n_features, dtype)
-    dbeta = np.zeros(n_features, dtype)
+    dgamma = np.zeros(n_features, compute_dtype(dtype))
+    dbeta = np.zeros(n_features, compute_dtype(dtype))
     if dx.size == 0:
         return dx, dgamma, dbeta
     dy_data = protect_from_output(as_kernel_array(dy, dtype), dx)

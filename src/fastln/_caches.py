@@ -146,8 +146,7 @@ def _check_cache_contents(cache, op):
             raise ValueError(f"cache.{name} has shape {statistic.shape}, expected "
                              f"{tuple(expected_shape(x.shape, axis))} for x of shape {x.shape}")
     dtype = cache.dtype
-    if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x",
-                                                                allow_half=(op != "batch_norm")):
+    if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x"):
         raise ValueError(f"cache.dtype {dtype!r} does not match cache.x ({x.dtype})")
     if op == "batch_norm" and not isinstance(cache.training, (bool, np.bool_)):
         raise ValueError(f"cache.training must be a bool, got {cache.training!r}")

@@ -38,31 +38,20 @@ def compute_dtype(dtype):
     return FLOAT32 if is_half(dtype) else dtype
 
 
-def output_dtype(dtype, name="x", allow_half=False):
+def output_dtype(dtype, name="x"):
     """The dtype fastln computes and returns for an input of `dtype` (native byte order).
 
-    float32 and float64 keep their type; integer and bool inputs are converted to float64, as
-    NumPy's reductions do. With `allow_half` (the functions that have half-precision kernels:
-    layer_norm, rms_norm and the fused add variants), float16 and ml_dtypes' bfloat16 keep their
-    type too. Everything else is a TypeError.
+    float16, ml_dtypes' bfloat16, float32 and float64 keep their type; integer and bool inputs
+    are converted to float64, as NumPy's reductions do. Everything else is a TypeError.
     """
-    if dtype.kind == "f" and dtype.itemsize in (4, 8):
+    if (dtype.kind == "f" and dtype.itemsize in (4, 8)) or is_half(dtype):
         return dtype.newbyteorder("=")
     if dtype.kind in "biu":
         return FLOAT_DTYPES[1]
-    if is_half(dtype):
-        if allow_half:
-            return dtype.newbyteorder("=")
-        raise TypeError(
-            f"{name} has dtype {dtype.name}, which this function has no kernel for; expected "
-            f"float32 or float64 (half precision is supported by layer_norm, rms_norm, "
-            f"add_layer_norm and add_rms_norm; convert with {name}.astype(np.float32))"
-        )
     if dtype.kind == "f":
-        expected = "float16, bfloat16, float32 or float64" if allow_half else "float32 or float64"
         raise TypeError(
-            f"{name} has dtype {dtype.name}, which fastln has no kernel for; "
-            f"expected {expected} (convert with {name}.astype(np.float32))"
+            f"{name} has dtype {dtype.name}, which fastln has no kernel for; expected float16, "
+            f"bfloat16, float32 or float64 (convert with {name}.astype(np.float32))"
         )
     raise TypeError(
         f"{name} has dtype {_describe_dtype(dtype)}; expected a real floating, integer or bool "
@@ -131,10 +120,10 @@ def as_kernel_array(array, dtype):
     return np.require(array, dtype=dtype, requirements="CA")
 
 
-def check_input(x, name="x", allow_half=False):
+def check_input(x, name="x"):
     """x as an ndarray with at least one dimension, and the dtype the result will have."""
     x = as_array(x, name)
-    dtype = output_dtype(x.dtype, name, allow_half)
+    dtype = output_dtype(x.dtype, name)
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least 1 dimension, got a 0-d array")
     return x, dtype
@@ -198,7 +187,7 @@ def protect_from_output(array, out):
 def check_residual(residual, x):
     """residual: a real array of exactly x's shape (no broadcasting); cast later to y's dtype."""
     residual = as_array(residual, "residual")
-    output_dtype(residual.dtype, "residual", allow_half=True)  # TypeError for complex, object, ...
+    output_dtype(residual.dtype, "residual")  # TypeError for complex, object, ...
     if residual.shape != x.shape:
         raise ValueError(f"residual has shape {residual.shape}, expected x.shape = {x.shape}")
     return residual
@@ -212,11 +201,13 @@ def feature_layout(shape, axis):
 
 
 def check_feature_param(param, name, n_features, dtype):
-    """gamma/beta of BatchNorm: None, or shape (x.shape[axis],), cast to dtype, as float64."""
+    """gamma/beta of BatchNorm: None, or shape (x.shape[axis],), cast to the parameter dtype of
+    output `dtype` (compute_dtype), as float64."""
     if param is None:
         return None
     array = as_array(param, name)
-    if array.dtype.kind not in "biuf":
+    dtype = compute_dtype(dtype)
+    if array.dtype.kind not in "biuf" and not is_half(array.dtype):
         raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
                         f"floating, integer or bool array (it is cast to {dtype.name})")
     if array.shape != (n_features,):

@@ -20,7 +20,7 @@ from fastln._threads import resolve_num_threads
 
 
 def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
-    x, dtype = check_input(x, allow_half=True)
+    x, dtype = check_input(x)
     stats_dtype = compute_dtype(dtype)  # float32 for float16/bfloat16 x, else dtype
     axis = normalize_axis(axis, x.ndim)
     n_rows, n_cols = rows_and_cols(x.shape, axis)

@@ -69,8 +69,8 @@ def _prepare(x: Any, name: str = "arr") -> tuple[Any, np.dtype]:
     """x as a Dask array (array_like is wrapped), and fastln's output dtype for it."""
     da = _dask_array()
     if not isinstance(x, da.Array):
-        x = da.asarray(check_input(x, name, allow_half=True)[0])
-    dtype = output_dtype(x.dtype, name, allow_half=True)
+        x = da.asarray(check_input(x, name)[0])
+    dtype = output_dtype(x.dtype, name)
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least 1 dimension, got a 0-d array")
     return x, dtype

@@ -63,7 +63,7 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
 
 
 def _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
-    x, dtype = check_input(x, allow_half=True)
+    x, dtype = check_input(x)
     stats_dtype = compute_dtype(dtype)          # float32 for float16/bfloat16, else dtype
     axis = normalize_axis(axis, x.ndim)
     N, H = rows_and_cols(x.shape, axis)
@@ -178,7 +178,7 @@ def _rms_standardize(row, eps):
 
 
 def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
-    x, dtype = check_input(x, allow_half=True)
+    x, dtype = check_input(x)
     stats_dtype = compute_dtype(dtype)
     axis = normalize_axis(axis, x.ndim)
     N, H = rows_and_cols(x.shape, axis)
@@ -256,7 +256,7 @@ def _residual_sum(x, residual, bias, axis, out, sum_out):
 
     (float16/bfloat16: rounded to float32 and then to the half format, as NumPy's float16
     addition does and as fastln promises.)"""
-    x, dtype = check_input(x, allow_half=True)
+    x, dtype = check_input(x)
     residual = check_residual(residual, x)
     axis = normalize_axis(axis, x.ndim)
     rows_and_cols(x.shape, axis)
@@ -427,4 +427,4 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
             dX[:, c] = dx_hat * std_inv
 
     dx = _write_out(_from_feature_columns(dX, cache.shape, cache.axis).astype(dtype), out)
-    return dx, dGamma.astype(dtype), dBeta.astype(dtype)
+    return dx, dGamma.astype(compute_dtype(dtype)), dBeta.astype(compute_dtype(dtype))
