@@ -37,9 +37,7 @@ def _available(module):
 
 # (module, the optional packages it needs)
 DOCTEST_MODULES = [
-    ("fastln._layer_norm", []),
-    ("fastln._rms_norm", []),
-    ("fastln._add_norm", []),
+    ("fastln._row_norms", []),
     ("fastln._batch_norm", []),
     ("fastln._threads", []),
     ("fastln._memory", []),

@@ -1,5 +1,4 @@
-"""The C-level fast paths (layer_norm_forward_fast, layer_norm_backward_fast in _kernels.pyx;
-rms_norm_forward_fast, rms_norm_backward_fast, add_norm_forward_fast, all in _kernels.pyx).
+"""The C-level fast paths (row_norm_forward_fast and row_norm_backward_fast in _kernels.pyx).
 
 Every public call is run twice on fresh copies of the same inputs: as it is, and with the fast
 paths switched off (each returns None, so the general Python path runs). The two must agree bit
@@ -17,11 +16,8 @@ from fastln import _kernels
 from fastln._caches import RowNormCache
 
 FAST_FUNCTIONS = (
-    (_kernels, "layer_norm_forward_fast"),
-    (_kernels, "layer_norm_backward_fast"),
-    (_kernels, "rms_norm_forward_fast"),
-    (_kernels, "rms_norm_backward_fast"),
-    (_kernels, "add_norm_forward_fast"),
+    (_kernels, "row_norm_forward_fast"),
+    (_kernels, "row_norm_backward_fast"),
 )
 N_COLS = 96
 SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))

@@ -16,6 +16,7 @@ from fastln._checks import (
     check_batch_norm_args,
     check_feature_param,
     check_out,
+    check_out_keeps_x,
     compute_dtype,
     feature_layout,
     protect_from_output,
@@ -59,9 +60,8 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
         y = empty_output(x.shape, dtype)
     else:
         y = check_out(out, x.shape, dtype)
-        if keep_cache and np.may_share_memory(y, x):
-            raise ValueError("out overlaps x: batch_norm_forward keeps x for the backward pass; "
-                             "use fastln.batch_norm for an in-place forward")
+        if keep_cache:
+            check_out_keeps_x(y, x, "batch_norm")
         if training and running_mean is not None and (np.may_share_memory(y, running_mean)
                                                       or np.may_share_memory(y, running_var)):
             raise ValueError("out overlaps running_mean or running_var, which training mode "

@@ -158,11 +158,11 @@ def check_out(out, shape, dtype, name="out"):
     return out
 
 
-def check_out_keeps_x(out, x):
+def check_out_keeps_x(out, x, op):
     """A forward that returns a cache keeps x for the backward, so out must not overwrite it."""
     if np.may_share_memory(out, x):
-        raise ValueError("out overlaps x: the forward with a cache keeps x for the backward pass; "
-                         "use layer_norm (no cache) for an in-place forward")
+        raise ValueError(f"out overlaps x: {op}_forward keeps x for the backward pass; use "
+                         f"fastln.{op} for an in-place forward")
 
 
 def same_memory(a, b):

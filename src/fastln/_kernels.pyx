@@ -10,9 +10,10 @@ Python layer has checked, fills the C call structure, and runs the operation's p
 driver (_run), with the GIL released. The storage type picks the row of the dispatch table; the
 instruction set (chosen at import) picks the table.
 
-At the end, the recognisers of small common calls (layer_norm_forward_fast, ...): for one
-768-wide row the Python checks would cost several times the arithmetic, so a call whose arguments
-are already kernel-ready is recognised here with a few C-level tests and goes straight to the
+At the end, the recognisers of small common calls (row_norm_forward_fast,
+row_norm_backward_fast): for one 768-wide row the Python checks would cost several times the
+arithmetic, so a call whose arguments are already kernel-ready is recognised here with a few
+C-level tests and goes straight to the
 same entry. A recogniser only recognises: whatever it does not recognise - including every invalid
 argument - returns None, and the caller takes the general path, whose checks are the only ones
 that raise. tests/test_fast_paths.py holds the two paths to the same results.
@@ -723,60 +724,11 @@ cdef inline object _new_column_sums(cnp.ndarray x, int typenum):
     return cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x) + cnp.PyArray_NDIM(x) - 1, typenum, 0)
 
 
-def layer_norm_forward_fast(object x, object gamma, object beta, object eps, object axis,
-                            object out, object num_threads, bint keep_cache):
-    """y, or (y, mean, rstd) with keep_cache; None when the call needs the general path."""
-    cdef _FastRows rows
-    if not _fast_rows(x, num_threads, &rows):
-        return None
-    cdef cnp.ndarray x_array = <cnp.ndarray>x
-    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
-            or not _is_param(gamma, rows.param_typenum, rows.n_cols)
-            or not _is_param(beta, rows.param_typenum, rows.n_cols)
-            or not _is_fast_out(out, x_array)):
-        return None
-    # out may be x itself (in place), except when the cache keeps x for the backward.
-    if (_overlaps(out, gamma) or _overlaps(out, beta) or _clobbers(out, x)
-            or (keep_cache and _overlaps(out, x))):
-        return None
-    y = out if out is not None else _new_like(x_array, rows.typenum)
-    mean = rstd = None
-    if keep_cache:
-        mean = _new_row_stats(x_array, rows.param_typenum)
-        rstd = _new_row_stats(x_array, rows.param_typenum)
-    cdef fastln_rows_call call
-    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
-               cnp.PyArray_NBYTES(x_array), <double>eps)
-    _layer_norm_forward(&call, gamma, beta, cnp.PyArray_DATA(<cnp.ndarray>y), mean, rstd,
-                        rows.storage, rows.threads)
-    if keep_cache:
-        return y, mean, rstd
-    return y
-
-
-def rms_norm_forward_fast(object x, object gamma, object eps, object axis, object out,
-                          object num_threads, bint keep_cache):
-    """y, or (y, rstd) with keep_cache; None when the call needs the general path."""
-    cdef _FastRows rows
-    if not _fast_rows(x, num_threads, &rows):
-        return None
-    cdef cnp.ndarray x_array = <cnp.ndarray>x
-    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
-            or not _is_param(gamma, rows.param_typenum, rows.n_cols)
-            or not _is_fast_out(out, x_array)):
-        return None
-    if _overlaps(out, gamma) or _clobbers(out, x) or (keep_cache and _overlaps(out, x)):
-        return None
-    y = out if out is not None else _new_like(x_array, rows.typenum)
-    rstd = _new_row_stats(x_array, rows.param_typenum) if keep_cache else None
-    cdef fastln_rows_call call
-    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
-               cnp.PyArray_NBYTES(x_array), <double>eps)
-    _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(<cnp.ndarray>y), rstd, rows.storage,
-                      rows.threads)
-    if keep_cache:
-        return y, rstd
-    return y
+# The recognisers' op codes (the forward task of each operation).
+LAYER_NORM = FASTLN_LAYER_NORM_FORWARD
+RMS_NORM = FASTLN_RMS_NORM_FORWARD
+ADD_LAYER_NORM = FASTLN_ADD_LAYER_NORM_FORWARD
+ADD_RMS_NORM = FASTLN_ADD_RMS_NORM_FORWARD
 
 
 cdef inline bint _is_safe_add_output(object output, object x, object residual, object bias,
@@ -787,70 +739,78 @@ cdef inline bint _is_safe_add_output(object output, object x, object residual, o
                 or _overlaps(output, gamma) or _overlaps(output, beta))
 
 
-def add_norm_forward_fast(bint rms, object x, object residual, object gamma, object beta,
-                          object eps, object bias, object axis, object out, object sum_out,
+def row_norm_forward_fast(int op, object x, object residual, object gamma, object beta,
+                          object bias, object eps, object axis, object out, object sum_out,
                           object num_threads, bint keep_cache):
-    """(y, s), or (y, s, mean, rstd) with keep_cache (mean None for RMSNorm); None when the
-    call needs the general path. beta must be None for RMSNorm."""
+    """(y, s, mean, rstd) of a row normalization's forward - op LAYER_NORM, RMS_NORM,
+    ADD_LAYER_NORM or ADD_RMS_NORM - when its arguments are kernel-ready: s for the fused adds,
+    mean (LayerNorm) and rstd with keep_cache, None otherwise. None when the call needs the
+    general path. The caller passes None for the arguments the op does not have."""
     cdef _FastRows rows
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef bint fused = op == FASTLN_ADD_LAYER_NORM_FORWARD or op == FASTLN_ADD_RMS_NORM_FORWARD
+    cdef bint has_mean = op == FASTLN_LAYER_NORM_FORWARD or op == FASTLN_ADD_LAYER_NORM_FORWARD
     if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
-            or not _is_kernel_array(residual, rows.typenum)
-            or not _same_shape(<cnp.ndarray>residual, x_array)
             or not _is_param(gamma, rows.param_typenum, rows.n_cols)
             or not _is_param(beta, rows.param_typenum, rows.n_cols)
-            or not _is_param(bias, rows.param_typenum, rows.n_cols)
-            or not _is_fast_out(out, x_array) or not _is_fast_out(sum_out, x_array)):
+            or not _is_fast_out(out, x_array)):
         return None
-    # out and sum_out may each be x or residual (sum_out=residual updates the residual stream
-    # in place), but not each other: the general path refuses that.
-    if (_overlaps(out, sum_out)
-            or not _is_safe_add_output(out, x, residual, bias, gamma, beta)
-            or not _is_safe_add_output(sum_out, x, residual, bias, gamma, beta)):
+    if fused:
+        # out and sum_out may each be x or residual (sum_out=residual updates the residual
+        # stream in place), but not each other: the general path refuses that.
+        if (not _is_kernel_array(residual, rows.typenum)
+                or not _same_shape(<cnp.ndarray>residual, x_array)
+                or not _is_param(bias, rows.param_typenum, rows.n_cols)
+                or not _is_fast_out(sum_out, x_array) or _overlaps(out, sum_out)
+                or not _is_safe_add_output(out, x, residual, bias, gamma, beta)
+                or not _is_safe_add_output(sum_out, x, residual, bias, gamma, beta)):
+            return None
+    # out may be x itself (in place), except when the cache keeps x for the backward.
+    elif (_overlaps(out, gamma) or _overlaps(out, beta) or _clobbers(out, x)
+            or (keep_cache and _overlaps(out, x))):
         return None
     y = out if out is not None else _new_like(x_array, rows.typenum)
-    s = sum_out if sum_out is not None else _new_like(x_array, rows.typenum)
-    mean = rstd = None
+    s = mean = rstd = None
+    if fused:
+        s = sum_out if sum_out is not None else _new_like(x_array, rows.typenum)
     if keep_cache:
         rstd = _new_row_stats(x_array, rows.param_typenum)
-        if not rms:
+        if has_mean:
             mean = _new_row_stats(x_array, rows.param_typenum)
     cdef fastln_rows_call call
     _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
                cnp.PyArray_NBYTES(x_array), <double>eps)
-    _add_norm_forward(FASTLN_ADD_RMS_NORM_FORWARD if rms else FASTLN_ADD_LAYER_NORM_FORWARD,
-                      &call, residual, bias, gamma, beta, s, y, mean, rstd, rows.storage,
-                      rows.threads)
-    if keep_cache:
-        return y, s, mean, rstd
-    return y, s
+    if fused:
+        _add_norm_forward(op, &call, residual, bias, gamma, beta, s, y, mean, rstd, rows.storage,
+                          rows.threads)
+    elif has_mean:
+        _layer_norm_forward(&call, gamma, beta, cnp.PyArray_DATA(<cnp.ndarray>y), mean, rstd,
+                            rows.storage, rows.threads)
+    else:
+        _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(<cnp.ndarray>y), rstd, rows.storage,
+                          rows.threads)
+    return y, s, mean, rstd
 
 
-cdef inline bint _is_fast_backward(object dy, cnp.ndarray x, _FastRows *rows, object axis,
-                                   object dtype, object eps, object gamma, object out):
-    """The tests both backward recognisers make of dy and of their cache's fields."""
-    # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
-    return (type(axis) is int and axis == rows.ndim - 1
-            and _is_kernel_array(dy, rows.typenum) and _same_shape(<cnp.ndarray>dy, x)
-            and _is_cache_dtype(dtype, x) and _is_fast_eps(eps)
-            and _is_param(gamma, rows.param_typenum, rows.n_cols) and _is_fast_out(out, x))
-
-
-def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object axis,
-                             object dtype, object eps, object gamma, object out,
-                             object num_threads):
-    """(dx, dgamma, dbeta) for a cache normalized over x's last axis; None for the general path.
-
-    x, mean, rstd, axis, eps and dtype (its _dtype field) come from a LayerNormCache.
-    """
+def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rstd,
+                           object axis, object dtype, object eps, object gamma, object out,
+                           object num_threads):
+    """(dx, dgamma, dbeta) of LayerNorm's backward, (dx, dgamma) of RMSNorm's (rms; mean None),
+    for a cache normalized over x's last axis; None when the call needs the general path. x,
+    mean, rstd, axis, eps and dtype (its _dtype field) come from the cache."""
     cdef _FastRows rows
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    if (not _is_fast_backward(dy, x_array, &rows, axis, dtype, eps, gamma, out)
-            or not _is_row_stats(mean, rows.param_typenum, x_array)
+    # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
+    if (type(axis) is not int or axis != rows.ndim - 1
+            or not _is_kernel_array(dy, rows.typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
+            or not _is_cache_dtype(dtype, x_array) or not _is_fast_eps(eps)
+            or not _is_param(gamma, rows.param_typenum, rows.n_cols)
+            or not _is_fast_out(out, x_array)
+            or not (rms or _is_row_stats(mean, rows.param_typenum, x_array))
             or not _is_row_stats(rstd, rows.param_typenum, x_array)):
         return None
     # dx may be dy or x itself (in place).
@@ -859,38 +819,16 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
         return None
     dx = out if out is not None else _new_like(x_array, rows.typenum)
     dgamma = _new_column_sums(x_array, rows.param_typenum)
-    dbeta = _new_column_sums(x_array, rows.param_typenum)
     cdef fastln_rows_call call
     _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
                cnp.PyArray_NBYTES(x_array), <double>eps)
+    if rms:
+        _rms_norm_backward(&call, dy, gamma, rstd, dx, dgamma, rows.storage, rows.threads)
+        return dx, dgamma
+    dbeta = _new_column_sums(x_array, rows.param_typenum)
     _layer_norm_backward(&call, dy, gamma, mean, rstd, dx, dgamma, dbeta, rows.storage,
                          rows.threads)
     return dx, dgamma, dbeta
-
-
-def rms_norm_backward_fast(object dy, object x, object rstd, object axis, object dtype,
-                           object eps, object gamma, object out, object num_threads):
-    """(dx, dgamma) for a cache normalized over x's last axis; None for the general path.
-
-    x, rstd, axis, eps and dtype (its _dtype field) come from an RMSNormCache.
-    """
-    cdef _FastRows rows
-    if not _fast_rows(x, num_threads, &rows):
-        return None
-    cdef cnp.ndarray x_array = <cnp.ndarray>x
-    if (not _is_fast_backward(dy, x_array, &rows, axis, dtype, eps, gamma, out)
-            or not _is_row_stats(rstd, rows.param_typenum, x_array)):
-        return None
-    if (_overlaps(out, gamma) or _overlaps(out, rstd) or _clobbers(out, dy)
-            or _clobbers(out, x)):
-        return None
-    dx = out if out is not None else _new_like(x_array, rows.typenum)
-    dgamma = _new_column_sums(x_array, rows.param_typenum)
-    cdef fastln_rows_call call
-    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
-               cnp.PyArray_NBYTES(x_array), <double>eps)
-    _rms_norm_backward(&call, dy, gamma, rstd, dx, dgamma, rows.storage, rows.threads)
-    return dx, dgamma
 
 
 def storage_code(cnp.dtype dtype):

@@ -75,7 +75,7 @@ def _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache)
     if out is not None:
         check_out(out, x.shape, dtype)
         if keep_cache:                          # the cache keeps x: out must not overwrite it
-            check_out_keeps_x(out, x)
+            check_out_keeps_x(out, x, "layer_norm")
 
     X = _as_rows_float64(x, N, H)
     gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
@@ -189,7 +189,7 @@ def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
     if out is not None:
         check_out(out, x.shape, dtype)
         if keep_cache:
-            check_out_keeps_x(out, x)
+            check_out_keeps_x(out, x, "rms_norm")
 
     X = _as_rows_float64(x, N, H)
     gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
@@ -342,7 +342,7 @@ def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, e
     if out is not None:
         check_out(out, x.shape, dtype)
         if keep_cache:
-            check_out_keeps_x(out, x)
+            check_out_keeps_x(out, x, "batch_norm")
 
     X = _feature_columns(x, axis)               # (m, C): the m values of each feature
     gamma = np.ones(C) if gamma is None else gamma
