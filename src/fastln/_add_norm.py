@@ -70,11 +70,13 @@ def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_t
     else:
         _family_kernels.add_norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows,
                                          y_rows, mean, rstd, rms, eps, num_threads)
+    # y and s are plain views of a subclass's out and sum_out: return the caller's own arrays
+    results = (y if out is None else out, s if sum_out is None else sum_out)
     if not keep_cache:
-        return y, s
+        return results
     batch_shape = x.shape[:axis]
-    return y, s, _cache_of_s(rms, s, None if rms else mean.reshape(batch_shape),
-                             rstd.reshape(batch_shape), axis, eps, dtype)
+    return results + (_cache_of_s(rms, s, None if rms else mean.reshape(batch_shape),
+                                  rstd.reshape(batch_shape), axis, eps, dtype),)
 
 
 def _cache_of_s(rms, s, mean, rstd, axis, eps, dtype):

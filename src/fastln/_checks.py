@@ -75,10 +75,29 @@ def output_dtype(dtype, name="x", allow_half=False):
     )
 
 
+def plain_ndarray(array):
+    """`array` (an ndarray of any subclass) as an exact numpy.ndarray on the same memory: the
+    array itself when it is one already, else a view of it.
+
+    The kernels take their data pointers, shapes and strides from the arrays the checks looked
+    at, so those must be numpy's own. A subclass may override reshape, ravel, view, astype,
+    copy, __getitem__, __array_function__, even shape, dtype or flags; none of them may decide
+    the memory the kernels touch. ndarray.view is taken from the base class, which a subclass
+    cannot override, and a view of type ndarray does not run the subclass's __array_finalize__.
+    """
+    if type(array) is np.ndarray:
+        return array
+    return np.ndarray.view(array, np.ndarray)
+
+
 def as_array(value, name):
-    """np.asarray with a clear error for things that are not numeric arrays."""
-    if isinstance(value, np.ndarray):
-        return value
+    """np.asarray with a clear error for things that are not numeric arrays.
+
+    ndarrays of any subclass come back as a plain ndarray on the same memory (see
+    plain_ndarray), never copied.
+    """
+    if issubclass(type(value), np.ndarray):
+        return plain_ndarray(value)
     try:
         array = np.asarray(value)
     except (TypeError, ValueError) as exc:
@@ -132,8 +151,10 @@ def rows_and_cols(shape, axis):
 
 
 def as_kernel_array(array, dtype):
-    """A C-contiguous, aligned, native-order array of `dtype`; a copy only when needed."""
-    return np.require(array, dtype=dtype, requirements="CA")
+    """A C-contiguous, aligned, native-order plain ndarray of `dtype`; a copy only when needed.
+
+    (np.require keeps subclasses and calls their methods: it gets the plain view.)"""
+    return np.require(plain_ndarray(array), dtype=dtype, requirements="CA")
 
 
 def check_input(x, name="x", allow_half=False):
@@ -160,9 +181,15 @@ def check_param(param, name, expected_shape, dtype):
 
 
 def check_out(out, shape, dtype, name="out"):
-    """A caller's output buffer must be a writeable C-contiguous ndarray of shape and dtype."""
-    if not isinstance(out, np.ndarray):
+    """A caller's output buffer must be a writeable C-contiguous ndarray of shape and dtype.
+
+    Returns the array to write: out itself, or for a subclass of ndarray a plain ndarray on
+    out's memory (see plain_ndarray), whose attributes are the ones checked here. A function
+    that writes it still returns the caller's own out.
+    """
+    if not issubclass(type(out), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
+    out = plain_ndarray(out)
     if out.shape != tuple(shape):
         raise ValueError(f"{name} has shape {out.shape}, expected {tuple(shape)}")
     if out.dtype != dtype:
@@ -176,13 +203,14 @@ def check_out(out, shape, dtype, name="out"):
 
 def check_out_keeps_x(out, x):
     """A forward that returns a cache keeps x for the backward, so out must not overwrite it."""
-    if np.may_share_memory(out, x):
+    if np.may_share_memory(plain_ndarray(out), plain_ndarray(x)):
         raise ValueError("out overlaps x: the forward with a cache keeps x for the backward pass; "
                          "use layer_norm (no cache) for an in-place forward")
 
 
 def same_memory(a, b):
     """True when a and b start at the same address with the same C-contiguous layout."""
+    a, b = plain_ndarray(a), plain_ndarray(b)
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
             and a.shape == b.shape and a.strides == b.strides)
 
@@ -193,7 +221,10 @@ def protect_from_output(array, out):
     Element i of every row is read before element i of the output is written, so an output
     exactly on top of an input is safe (in place); any other overlap is not.
     """
-    if array is None or not np.may_share_memory(array, out):
+    if array is None:
+        return array
+    array, out = plain_ndarray(array), plain_ndarray(out)
+    if not np.may_share_memory(array, out):
         return array
     if array.size == out.size and same_memory(array, out.reshape(array.shape)):
         return array
@@ -239,7 +270,7 @@ def check_running(running, name, n_features, training):
     floating dtype (any strides and byte order). In evaluation mode they are only read: any real
     array_like. Returns the array to update (training) or a float64 copy (evaluation).
     """
-    if training and not isinstance(running, np.ndarray):
+    if training and not issubclass(type(running), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray (it is updated in place in training "
                         f"mode), got {type(running).__name__}")
     array = as_array(running, name)

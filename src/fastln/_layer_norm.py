@@ -56,11 +56,12 @@ def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
                                    False, eps, half_kind(dtype), num_threads)
     else:
         _kernels.layer_norm_forward(x_rows, gamma, beta, y_rows, mean, rstd, eps, num_threads)
+    result = y if out is None else out  # y is a plain view of a subclass's out: return out
     if not keep_cache:
-        return y
+        return result
     batch_shape = x.shape[:axis]
-    return y, LayerNormCache(x, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis, eps,
-                             dtype)
+    return result, LayerNormCache(x, mean.reshape(batch_shape), rstd.reshape(batch_shape), axis,
+                                  eps, dtype)
 
 
 def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
@@ -151,7 +152,7 @@ def row_backward_arrays(dy, cache, gamma, out, num_threads, op):
     """The checks and conversions LayerNorm's and RMSNorm's backwards share, in the order their
     errors are raised: dy, the cache, gamma, num_threads, out."""
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, op)
+    cache = check_cache(cache, dy, op)  # the checked copy: its fields are read only once
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
     axis = cache.axis
@@ -166,7 +167,8 @@ def row_backward_arrays(dy, cache, gamma, out, num_threads, op):
     dx_rows = dx.reshape(n_rows, n_cols)
     return RowBackwardArrays(
         dtype, stats_dtype, normalized_shape, protect_from_output(gamma, dx_rows), num_threads,
-        protect_from_output(dy_rows, dx_rows), protect_from_output(x_rows, dx_rows), dx_rows, dx,
+        protect_from_output(dy_rows, dx_rows), protect_from_output(x_rows, dx_rows), dx_rows,
+        dx if out is None else out,
         as_kernel_array(cache.rstd, stats_dtype).reshape(n_rows))
 
 

@@ -48,9 +48,10 @@ def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
                                    True, eps, half_kind(dtype), num_threads)
     else:
         _family_kernels.rms_norm_forward(x_rows, gamma, y_rows, rstd, eps, num_threads)
+    result = y if out is None else out  # y is a plain view of a subclass's out: return out
     if not keep_cache:
-        return y
-    return y, RMSNormCache(x, rstd.reshape(x.shape[:axis]), axis, eps, dtype)
+        return result
+    return result, RMSNormCache(x, rstd.reshape(x.shape[:axis]), axis, eps, dtype)
 
 
 def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):

@@ -26,6 +26,7 @@ from fastln._checks import (
     feature_layout,
     is_half,
     normalize_axis,
+    plain_ndarray,
     rows_and_cols,
 )
 
@@ -34,6 +35,14 @@ __all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 
 def _as_rows_float64(array, n_rows, n_cols):
     return np.asarray(array, dtype=np.float64).reshape(n_rows, n_cols)
+
+
+def _write_out(result, out):
+    """result, or the caller's out holding it (written through a plain view of its memory)."""
+    if out is None:
+        return result
+    plain_ndarray(out)[...] = result
+    return out
 
 
 def _standardize(row, eps):
@@ -91,10 +100,7 @@ def _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache)
         means[n], std_invs[n] = mu, std_inv
 
     batch_shape = x.shape[:axis]
-    result = y.reshape(x.shape).astype(dtype)
-    if out is not None:
-        out[...] = result
-        result = out
+    result = _write_out(y.reshape(x.shape).astype(dtype), out)
     mean = means.astype(stats_dtype).reshape(batch_shape)
     rstd = std_invs.astype(stats_dtype).reshape(batch_shape)
     return result, LayerNormCache(x, mean, rstd, axis, eps, dtype)
@@ -109,7 +115,7 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
 def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """LAYER_NORM_BACKWARD of the lesson; returns (dx, dgamma, dbeta)."""
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "layer_norm")
+    cache = check_cache(cache, dy, "layer_norm")
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)          # dgamma, dbeta: float32 for float16/bfloat16
     N, H = rows_and_cols(cache.shape, cache.axis)
@@ -137,10 +143,7 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
         sum_dxhat_xhat = np.sum(dx_hat * x_hat)
         dX[n, :] = (std_inv / H) * (H * dx_hat - sum_dxhat - x_hat * sum_dxhat_xhat)
 
-    dx = dX.reshape(cache.shape).astype(dtype)
-    if out is not None:
-        out[...] = dx
-        dx = out
+    dx = _write_out(dX.reshape(cache.shape).astype(dtype), out)
     return (dx, dGamma.reshape(normalized_shape).astype(stats_dtype),
             dBeta.reshape(normalized_shape).astype(stats_dtype))
 
@@ -157,11 +160,6 @@ __all__ += [
 ]
 
 
-def _write_out(result, out):
-    if out is None:
-        return result
-    out[...] = result
-    return out
 
 
 def _rms_standardize(row, eps):
@@ -224,7 +222,7 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
         dx = std_inv * (dx_hat - x_hat * mean(dx_hat * x_hat)).
     """
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "rms_norm")
+    cache = check_cache(cache, dy, "rms_norm")
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
     N, H = rows_and_cols(cache.shape, cache.axis)
@@ -265,7 +263,8 @@ def _residual_sum(x, residual, bias, axis, out, sum_out):
         check_out(out, x.shape, dtype)
     if sum_out is not None:
         check_out(sum_out, x.shape, dtype, name="sum_out")
-    if out is not None and sum_out is not None and np.may_share_memory(out, sum_out):
+    if (out is not None and sum_out is not None
+            and np.may_share_memory(plain_ndarray(out), plain_ndarray(sum_out))):
         raise ValueError("out and sum_out overlap: they must be different arrays")
     s = np.asarray(x, dtype=np.float64) + residual.astype(dtype).astype(np.float64)
     if bias is not None:
@@ -395,7 +394,7 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     the statistics are constants, so dx = dy * gamma * std_inv.
     """
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "batch_norm")
+    cache = check_cache(cache, dy, "batch_norm")
     dtype = cache.dtype
     _, C, _ = feature_layout(cache.shape, cache.axis)
     gamma = check_feature_param(gamma, "gamma", C, dtype)
