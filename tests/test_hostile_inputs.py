@@ -2294,3 +2294,23 @@ def test_the_reported_subclass_does_not_crash():
     child = subprocess.run([sys.executable, "-c", LITERAL_REPRODUCER], capture_output=True,
                            text=True, timeout=300)
     assert (child.returncode, child.stdout.strip()) == (0, "ok"), child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+@pytest.mark.parametrize("func", ["add_layer_norm", "add_layer_norm_forward", "add_rms_norm",
+                                  "add_rms_norm_forward"])
+@pytest.mark.parametrize("bad", ["gamma", "beta", "eps", "num_threads"])
+def test_add_norm_checks_the_normalization_before_writing_sum_out(impl, func, bad):
+    """A bad argument of the normalization (not of the sum) must leave out and sum_out
+    untouched too: the reference used to write sum_out first."""
+    if bad == "beta" and "rms" in func:
+        pytest.skip("RMSNorm has no beta")
+    module = fastln if impl == "fastln" else ref
+    x = np.arange(12.0).reshape(3, 4)
+    out, sum_out = np.full_like(x, SENTINEL), np.full_like(x, SENTINEL)
+    kwargs = dict(out=out, sum_out=sum_out)
+    kwargs.update({"gamma": dict(gamma=np.ones(5)), "beta": dict(beta=np.ones(5)),
+                   "eps": dict(eps=-1.0), "num_threads": dict(num_threads=0)}[bad])
+    with pytest.raises(ValueError, match=bad):
+        getattr(module, func)(x, x, **kwargs)
+    assert (out == SENTINEL).all() and (sum_out == SENTINEL).all()

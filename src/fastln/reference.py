@@ -278,10 +278,12 @@ def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias
                            out=None, sum_out=None, num_threads=None):
     """s = x + residual (+ bias), then LAYER_NORM_FORWARD of s; returns (y, s, cache)."""
     s, axis = _residual_sum(x, residual, bias, axis, out, sum_out)
-    s = _write_out(s, sum_out)                  # before y: the cache refers to s
-    y, cache = layer_norm_forward(s, gamma, beta, eps, axis=axis, out=out,
-                                  num_threads=num_threads)
-    return y, s, cache
+    # Normalize the sum before writing anything: the normalization's own arguments (gamma,
+    # beta, eps, num_threads) are checked there, and a bad one must leave sum_out untouched.
+    y, cache = layer_norm_forward(s, gamma, beta, eps, axis=axis, num_threads=num_threads)
+    s = _write_out(s, sum_out)
+    cache = LayerNormCache(plain_ndarray(s), cache.mean, cache.rstd, axis, cache.eps, cache.dtype)
+    return _write_out(y, out), s, cache
 
 
 def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
@@ -296,9 +298,11 @@ def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-
                          sum_out=None, num_threads=None):
     """s = x + residual (+ bias), then the RMSNorm forward of s; returns (y, s, cache)."""
     s, axis = _residual_sum(x, residual, bias, axis, out, sum_out)
-    s = _write_out(s, sum_out)                  # before y: the cache refers to s
-    y, cache = rms_norm_forward(s, gamma, eps, axis=axis, out=out, num_threads=num_threads)
-    return y, s, cache
+    # As in add_layer_norm_forward: every check before anything is written.
+    y, cache = rms_norm_forward(s, gamma, eps, axis=axis, num_threads=num_threads)
+    s = _write_out(s, sum_out)
+    cache = RMSNormCache(plain_ndarray(s), cache.rstd, axis, cache.eps, cache.dtype)
+    return _write_out(y, out), s, cache
 
 
 def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
