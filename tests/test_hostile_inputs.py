@@ -2296,6 +2296,77 @@ def test_the_reported_subclass_does_not_crash():
     assert (child.returncode, child.stdout.strip()) == (0, "ok"), child.stderr[-2000:]
 
 
+# --------------------------------------------------------------------------------------------
+# Masked arrays are refused (issue: the masked values were normalized and a plain ndarray
+# returned). fastln does not honour masks: any masked array among the arguments - even one
+# with nothing masked, so that a call does not start failing when a value gets masked - is a
+# TypeError naming the argument, before any work.
+# --------------------------------------------------------------------------------------------
+
+def masked_like(array, how):
+    if how == "list":  # a nested list holding the masked constant
+        nested = real(array).tolist()
+        target = nested
+        while isinstance(target[0], list):
+            target = target[0]
+        target[0] = np.ma.masked
+        return nested
+    mask = np.zeros(array.shape, bool)
+    if how == "some":
+        mask.flat[0] = True
+    return np.ma.masked_array(array, mask=mask)
+
+
+# Outputs and cache fields must be ndarrays: a list holding np.ma.masked is for the inputs.
+MASKED_ARGUMENTS = [(func, name, how) for func in LIAR_FUNCS
+                    for name in sorted(liar_call(func, np.float64)[0])
+                    for how in ("some", "none", "list")
+                    if how != "list" or not (name in CALLER_OUTPUTS or name.startswith("cache_"))]
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+@pytest.mark.parametrize("func, argument, how", MASKED_ARGUMENTS,
+                         ids=["-".join(case) for case in MASKED_ARGUMENTS])
+def test_a_masked_array_is_refused(impl, func, argument, how):
+    """Masked as the argument of every function: a TypeError naming it, nothing written."""
+    module = fastln if impl == "fastln" else ref
+    arrays, call = liar_call(func, np.float64)
+    given = dict(arrays, **{argument: masked_like(arrays[argument], how)})
+    untouched = Snapshot(*arrays.values())
+    with pytest.raises(TypeError, match="MaskedArray") as error:
+        call(module, given)
+    name = argument.replace("cache_", "cache.")
+    assert str(error.value).startswith(f"{name} is a numpy.ma.MaskedArray"), str(error.value)
+    untouched.assert_unchanged()
+
+
+def test_masked_arrays_are_refused_by_the_layers_and_dask():
+    import fastln.nn
+    data = np.array([[10.0, 20.0, 60.0]], np.float32)
+    masked = np.ma.masked_array(data, mask=[[0, 0, 1]])
+    for layer in (fastln.nn.LayerNorm(3), fastln.nn.RMSNorm(3), fastln.nn.BatchNorm(3)):
+        with pytest.raises(TypeError, match="^x is a numpy.ma.MaskedArray"):
+            layer(masked)
+        y = layer(data)
+        with pytest.raises(TypeError, match="^dy is a numpy.ma.MaskedArray"):
+            layer.backward(np.ma.masked_array(np.ones_like(y)))
+        state = layer.state_dict()
+        key = next(iter(state))
+        state[key] = np.ma.masked_array(state[key])
+        before = layer.state_dict()
+        with pytest.raises(TypeError, match=rf"^state_dict\['{key}'\] is a numpy.ma"):
+            layer.load_state_dict(state)
+        for name, value in layer.state_dict().items():
+            assert_bitwise_equal(value, before[name], name)
+    da = pytest.importorskip("dask.array")
+    import fastln.dask
+    lazy = da.ma.masked_array(da.from_array(masked.data), mask=masked.mask)
+    with pytest.raises(TypeError, match="^arr is a numpy.ma.MaskedArray"):
+        fastln.dask.layer_norm(lazy)
+    with pytest.raises(TypeError, match="^dy is a numpy.ma.MaskedArray"):
+        fastln.dask.rms_norm_backward(lazy, data)
+
+
 @pytest.mark.parametrize("impl", ["fastln", "reference"])
 @pytest.mark.parametrize("func", ["add_layer_norm", "add_layer_norm_forward", "add_rms_norm",
                                   "add_rms_norm_forward"])

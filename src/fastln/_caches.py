@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from fastln._checks import output_dtype, plain_ndarray
+from fastln._checks import output_dtype, plain_ndarray, refuse_masked
 
 
 class RowNormCache:
@@ -134,6 +134,7 @@ def _checked_contents(cache, op):
     subclass's attributes or from a second read of a field that has changed since.
     """
     x = cache.x
+    refuse_masked(x, "cache.x")
     if not issubclass(type(x), np.ndarray) or plain_ndarray(x).ndim == 0:
         raise ValueError(f"cache.x must be the forward's input array, got {type(x).__name__}")
     x = plain_ndarray(x)
@@ -153,6 +154,7 @@ def _checked_contents(cache, op):
     statistics = {}
     for name in names:
         statistic = getattr(cache, name)
+        refuse_masked(statistic, f"cache.{name}")
         if (not issubclass(type(statistic), np.ndarray)
                 or plain_ndarray(statistic).dtype.kind != "f"):
             raise ValueError(f"cache.{name} must be a floating ndarray, "

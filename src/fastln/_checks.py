@@ -75,6 +75,31 @@ def output_dtype(dtype, name="x", allow_half=False):
     )
 
 
+def _holds_masked(value):
+    """Whether value is a masked array, or a (nested) list or tuple holding one anywhere
+    (numpy.ma.masked, the masked constant, is a masked array too)."""
+    if isinstance(value, np.ma.MaskedArray):
+        return True
+    if not isinstance(value, (list, tuple)):
+        return False
+    # The types of the items, collected at C speed: a long list of numbers costs one pass.
+    item_types = set(map(type, value))
+    if any(issubclass(item_type, np.ma.MaskedArray) for item_type in item_types):
+        return True
+    return any(_holds_masked(item) for item in value if isinstance(item, (list, tuple)))
+
+
+def refuse_masked(value, name):
+    """A TypeError for masked arrays: fastln computes with every value it is given, so it
+    refuses an array whose mask says some of them are not to be used (NumPy would hand over
+    the masked values as if they were data)."""
+    if _holds_masked(value):
+        raise TypeError(
+            f"{name} is a numpy.ma.MaskedArray (or holds one): fastln does not honour masks, "
+            f"and would use the masked values as data; pass np.ma.getdata({name}) (or "
+            f"{name}.filled(value)) to use every value, or remove the masked values first")
+
+
 def plain_ndarray(array):
     """`array` (an ndarray of any subclass) as an exact numpy.ndarray on the same memory: the
     array itself when it is one already, else a view of it.
@@ -94,8 +119,9 @@ def as_array(value, name):
     """np.asarray with a clear error for things that are not numeric arrays.
 
     ndarrays of any subclass come back as a plain ndarray on the same memory (see
-    plain_ndarray), never copied.
+    plain_ndarray), never copied; masked arrays are refused (see refuse_masked).
     """
+    refuse_masked(value, name)
     if issubclass(type(value), np.ndarray):
         return plain_ndarray(value)
     try:
@@ -189,6 +215,7 @@ def check_out(out, shape, dtype, name="out"):
     """
     if not issubclass(type(out), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
+    refuse_masked(out, name)
     out = plain_ndarray(out)
     if out.shape != tuple(shape):
         raise ValueError(f"{name} has shape {out.shape}, expected {tuple(shape)}")

@@ -46,7 +46,7 @@ import numpy as np
 
 import fastln
 from fastln._batch_norm import update_running, update_running_var
-from fastln._checks import as_array, check_eps, check_momentum
+from fastln._checks import as_array, check_eps, check_momentum, refuse_masked
 from fastln._threads import resolve_num_threads
 
 __all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
@@ -91,7 +91,9 @@ def _check_bool(value, name):
 
 
 def _as_numpy(value, key):
-    """A state-dict entry as an ndarray: NumPy arrays, PyTorch tensors, anything array-like."""
+    """A state-dict entry as an ndarray: NumPy arrays, PyTorch tensors, anything array-like
+    (not a masked array: np.asarray would drop its mask)."""
+    refuse_masked(value, f"state_dict[{key!r}]")
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch.Tensor, without torch
         try:
             value = value.detach().cpu().numpy()
