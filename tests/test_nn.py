@@ -3,6 +3,9 @@ the one-forward-one-backward rule, gradient accumulation, state dicts, files, ch
 
 The torch tests skip when PyTorch is not installed; everything else runs without it.
 """
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -358,6 +361,19 @@ def test_input_shape_is_checked_against_the_layer():
     (lambda: nn.BatchNorm(4, momentum=1.5), ValueError, "momentum"),
     (lambda: nn.BatchNorm(4, axis=1.0), TypeError, "axis"),
     (lambda: nn.BatchNorm(4, affine="yes"), TypeError, "affine"),
+    # numbers of every kind: never an OverflowError, never a bool taken as 1
+    (lambda: nn.LayerNorm(768, eps=10**400), ValueError, "^eps must be a finite number"),
+    (lambda: nn.RMSNorm(8, eps=Fraction(10**400, 3)), ValueError, "^eps must be"),
+    (lambda: nn.BatchNorm(4, eps=Decimal("1e400")), ValueError, "^eps must be"),
+    (lambda: nn.BatchNorm(4, momentum=10**400), ValueError, "^momentum must be in"),
+    (lambda: nn.BatchNorm(4, momentum=Fraction(-1, 10**400)), ValueError, "^momentum"),
+    (lambda: nn.BatchNorm(4, axis=True), TypeError, "^axis must be an int, got a bool"),
+    (lambda: nn.BatchNorm(True), TypeError, "^num_features must be an int, got a bool"),
+    (lambda: nn.BatchNorm(10**400), ValueError, "^num_features .* is too large"),
+    (lambda: nn.LayerNorm((True, 3)), TypeError, "^normalized_shape .*not bools"),
+    (lambda: nn.LayerNorm(10**400), ValueError, "^normalized_shape .* is too large"),
+    (lambda: nn.RMSNorm((2**40, 2**40)), ValueError, "^normalized_shape .* is too large"),
+    (lambda: nn.LayerNorm(8, num_threads=-10**5000), ValueError, "^num_threads"),
 ])
 def test_constructor_arguments_are_checked(call, error, message):
     with pytest.raises(error, match=message):

@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from fastln._checks import output_dtype, plain_ndarray, refuse_masked
+from fastln._checks import describe, output_dtype, plain_ndarray, refuse_masked
 
 
 class RowNormCache:
@@ -141,11 +141,11 @@ def _checked_contents(cache, op):
     axis = cache.axis
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral) \
             or not 0 <= axis < x.ndim:
-        raise ValueError(f"cache.axis must be an int in [0, {x.ndim}), got {axis!r}")
+        raise ValueError(f"cache.axis must be an int in [0, {x.ndim}), got {describe(axis)}")
     axis = int(axis)
     eps = cache.eps
     if not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
-        raise ValueError(f"cache.eps must be a finite number >= 0, got {eps!r}")
+        raise ValueError(f"cache.eps must be a finite number >= 0, got {describe(eps)}")
     try:
         eps = float(eps)
     except (OverflowError, ValueError):
@@ -167,14 +167,14 @@ def _checked_contents(cache, op):
     dtype = cache.dtype
     if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x",
                                                                 allow_half=(op != "batch_norm")):
-        raise ValueError(f"cache.dtype {dtype!r} does not match cache.x ({x.dtype})")
+        raise ValueError(f"cache.dtype {describe(dtype)} does not match cache.x ({x.dtype})")
     if op == "layer_norm":
         return LayerNormCache(x, statistics["mean"], statistics["rstd"], axis, eps, dtype)
     if op == "rms_norm":
         return RMSNormCache(x, statistics["rstd"], axis, eps, dtype)
     training = cache.training
     if not isinstance(training, (bool, np.bool_)):
-        raise ValueError(f"cache.training must be a bool, got {training!r}")
+        raise ValueError(f"cache.training must be a bool, got {describe(training)}")
     return BatchNormCache(x, statistics["mean"], statistics["rstd"], axis, eps, bool(training),
                           dtype)
 

@@ -5,6 +5,7 @@ it and says what was expected and what was given. Nothing here modifies its inpu
 on purpose: fastln.reference uses these checks, and must keep working when the compiled kernels
 cannot be loaded.
 """
+import decimal
 import math
 import numbers
 import operator
@@ -134,24 +135,60 @@ def as_array(value, name):
     return array
 
 
+def describe(value, limit=60):
+    """repr(value) for an error message, shortened when long: the repr of 10**400 has 401
+    digits, and Python refuses to write an int of more than 4300 digits at all."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<{type(value).__name__} too large to print>"
+    if len(text) > limit:
+        text = f"{text[:limit // 2]}...{text[-10:]} ({len(text)} characters)"
+    return text
+
+
+def check_int_argument(value, name):
+    """An int argument (an axis, a size) as a Python int: any integer type but bool, whose
+    True would silently mean 1."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
 def normalize_axis(axis, ndim):
     """The first normalized axis as a non-negative int; negative values count from the end."""
-    try:
-        index = operator.index(axis)
-    except TypeError:
-        raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+    index = check_int_argument(axis, "axis")
     if not -ndim <= index < ndim:
-        raise ValueError(f"axis {index} is out of bounds for x with {ndim} dimension(s)")
+        raise ValueError(f"axis {describe(index)} is out of bounds for x with {ndim} "
+                         "dimension(s)")
     return index % ndim
+
+
+def real_number(value, name, requirement):
+    """A real-number argument (int, float, Fraction, Decimal, NumPy scalar; not bool) as a
+    float. TypeError for anything else; ValueError, saying `requirement`, for a value beyond
+    float64 (10**400, Fraction(10**400, 3): float() would raise OverflowError) or that float
+    cannot represent (a signalling Decimal NaN)."""
+    if (isinstance(value, (bool, np.bool_))
+            or not isinstance(value, (numbers.Real, decimal.Decimal))):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (OverflowError, ValueError, ArithmeticError):
+        raise ValueError(f"{name} must be {requirement}, got {describe(value)}, which does "
+                         "not convert to a float64") from None
 
 
 def check_eps(eps):
     """eps as a float: a finite number >= 0."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    value = float(eps)
-    if not np.isfinite(value) or value < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    requirement = "a finite number >= 0"
+    value = real_number(eps, "eps", requirement)
+    # The sign is taken from eps itself too: Fraction(-1, 10**400) rounds to -0.0.
+    if not math.isfinite(value) or value < 0 or eps < 0:
+        raise ValueError(f"eps must be {requirement}, got {describe(eps)}")
     return value
 
 
@@ -161,7 +198,8 @@ def check_num_threads(num_threads):
         return None
     if (isinstance(num_threads, (bool, np.bool_))
             or not isinstance(num_threads, numbers.Integral) or num_threads < 1):
-        raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}")
+        raise ValueError(f"num_threads must be None or a positive int, got "
+                         f"{describe(num_threads)}")
     return int(num_threads)
 
 
@@ -318,12 +356,11 @@ def check_running(running, name, n_features, training):
 
 def check_momentum(momentum):
     """momentum as a float in [0, 1] (the weight of the old running value)."""
-    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, numbers.Real):
-        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
-    value = float(momentum)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"momentum must be in [0, 1] (the weight of the old running value), "
-                         f"got {momentum!r}")
+    requirement = "in [0, 1] (the weight of the old running value)"
+    value = real_number(momentum, "momentum", requirement)
+    # The bounds are checked on momentum itself too: Fraction(10**400 + 1, 10**400) rounds to 1.
+    if not 0.0 <= value <= 1.0 or not 0 <= momentum <= 1:
+        raise ValueError(f"momentum must be {requirement}, got {describe(momentum)}")
     return value
 
 

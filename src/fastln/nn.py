@@ -37,8 +37,8 @@ Conventions shared by the three layers:
   changing anything and then writes into the existing arrays, so references an optimizer holds
   stay valid. ``save(path)`` / ``load(path)`` store and read the state dict as ``.npz``.
 """
+import math
 import numbers
-import operator
 import os
 from collections import namedtuple
 
@@ -46,7 +46,14 @@ import numpy as np
 
 import fastln
 from fastln._batch_norm import update_running, update_running_var
-from fastln._checks import as_array, check_eps, check_momentum, refuse_masked
+from fastln._checks import (
+    as_array,
+    check_eps,
+    check_int_argument,
+    check_momentum,
+    describe,
+    refuse_masked,
+)
 from fastln._threads import resolve_num_threads
 
 __all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
@@ -70,18 +77,28 @@ def _layer_dtype(dtype):
 
 
 def _normalized_shape(normalized_shape):
-    """An int or a sequence of ints, each >= 1, as a non-empty tuple."""
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    """An int or a sequence of ints (not bools), each >= 1, as a non-empty tuple."""
+    if (isinstance(normalized_shape, (numbers.Integral, np.integer))
+            and not isinstance(normalized_shape, (bool, np.bool_))):
         normalized_shape = (normalized_shape,)
     try:
-        shape = tuple(operator.index(size) for size in normalized_shape)
+        shape = tuple(check_int_argument(size, "normalized_shape") for size in normalized_shape)
     except TypeError:
-        raise TypeError(f"normalized_shape must be an int or a tuple of ints, got "
-                        f"{normalized_shape!r}") from None
+        raise TypeError(f"normalized_shape must be an int or a tuple of ints (not bools), got "
+                        f"{describe(normalized_shape)}") from None
     if not shape or any(size < 1 for size in shape):
         raise ValueError(f"normalized_shape must be a non-empty tuple of positive ints, got "
-                         f"{normalized_shape!r}")
+                         f"{describe(normalized_shape)}")
+    _check_allocatable(math.prod(shape), "normalized_shape", normalized_shape)
     return shape
+
+
+def _check_allocatable(n_elements, name, given):
+    """A ValueError naming the argument, where NumPy would say "Maximum allowed dimension
+    exceeded" or "array is too big" (a size that fits memory but not this machine's is still
+    a MemoryError when the arrays are made)."""
+    if n_elements * np.dtype(np.float64).itemsize > np.iinfo(np.intp).max:
+        raise ValueError(f"{name} {describe(given)} is too large for an array")
 
 
 def _check_bool(value, name):
@@ -454,18 +471,16 @@ class BatchNorm(_Layer):
                  track_running_stats=True, dtype=np.float32, *, unbiased_running_var=False,
                  num_threads=None):
         super().__init__(dtype, num_threads)
-        if (isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral)
-                or num_features < 1):
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        self.num_features = int(num_features)
+        count = check_int_argument(num_features, "num_features")
+        if count < 1:
+            raise ValueError(f"num_features must be a positive int, got {describe(count)}")
+        _check_allocatable(count, "num_features", count)
+        self.num_features = count
         self.eps = check_eps(eps)
         if momentum is not None:
             momentum = check_momentum(momentum)
         self.momentum = momentum
-        try:
-            self.axis = operator.index(axis)
-        except TypeError:
-            raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+        self.axis = check_int_argument(axis, "axis")
         self.affine = _check_bool(affine, "affine")
         self.track_running_stats = _check_bool(track_running_stats, "track_running_stats")
         self.unbiased_running_var = _check_bool(unbiased_running_var, "unbiased_running_var")
