@@ -474,3 +474,74 @@ def test_repr_says_what_the_layer_is():
         "BatchNorm(16, eps=1e-05, momentum=0.9, axis=-1, affine=True, "
         "track_running_stats=True, dtype=float32, training=False)")
     assert "unbiased_running_var=True" in repr(nn.BatchNorm(2, unbiased_running_var=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# num_batches_tracked and atomic forwards (issue: a uint64 count >= 2**63 loaded as a negative
+# number; the next forward with momentum=None raised ZeroDivisionError or froze the running
+# statistics; int64 max made the forward raise after running_mean was updated)
+# ---------------------------------------------------------------------------------------------
+
+def _state_unchanged(layer, before):
+    after = layer.state_dict()
+    return all(after[key].dtype == value.dtype and np.array_equal(after[key], value)
+               for key, value in before.items())
+
+
+@pytest.mark.parametrize("count", [np.uint64(2**63), np.uint64(2**64 - 1), np.int64(-1),
+                                   np.array(-(2**63)), np.array(2**63, dtype=np.uint64)])
+def test_load_state_dict_refuses_a_count_beyond_int64(count):
+    layer = trained_batch_norm()
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match=r"^state_dict\['num_batches_tracked'\] must be a count"):
+        layer.load_state_dict(dict(before, num_batches_tracked=count))
+    assert _state_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("count", [0, 7, 2**63 - 2, 2**63 - 1])
+def test_load_state_dict_takes_every_int64_count_of_any_integer_dtype(count):
+    layer = nn.BatchNorm(3)
+    layer.load_state_dict(dict(layer.state_dict(), num_batches_tracked=np.uint64(count)))
+    assert layer.num_batches_tracked.dtype == np.int64 and int(layer.num_batches_tracked) == count
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_a_forward_that_cannot_count_its_batch_changes_nothing(momentum, unbiased):
+    layer = nn.BatchNorm(3, momentum=momentum, unbiased_running_var=unbiased)
+    x = random(np.random.default_rng(12), (8, 3), np.float32, scale=2.0)
+    layer.load_state_dict(dict(layer.state_dict(), num_batches_tracked=np.int64(2**63 - 1)))
+    before = layer.state_dict()
+    with pytest.raises(RuntimeError, match="num_batches_tracked is 9223372036854775807"):
+        layer(x)
+    assert _state_unchanged(layer, before)
+    layer.eval()(x)  # evaluation counts nothing: still fine
+    layer.train().num_batches_tracked[...] = -1  # a count set by hand, not loaded
+    with pytest.raises(RuntimeError, match="num_batches_tracked is -1"):
+        layer(x)
+    layer.num_batches_tracked[...] = 2**63 - 2  # one batch left: the forward completes
+    layer(x)
+    assert int(layer.num_batches_tracked) == 2**63 - 1
+    assert np.all(np.isfinite(layer.running_mean)) and np.all(layer.running_var > 0)
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+@pytest.mark.parametrize("frozen", ["running_mean", "running_var"])
+def test_a_forward_with_a_read_only_running_statistic_changes_nothing(unbiased, frozen):
+    layer = trained_batch_norm()
+    layer.unbiased_running_var = unbiased
+    getattr(layer, frozen).flags.writeable = False
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match=f"{frozen} is read-only"):
+        layer(random(np.random.default_rng(13), (8, 3), np.float32))
+    assert _state_unchanged(layer, before)
+
+
+def test_load_state_dict_into_a_read_only_array_changes_nothing():
+    layer = trained_batch_norm()
+    layer.running_var.flags.writeable = False
+    before = layer.state_dict()
+    new = {key: value + 1 for key, value in before.items()}
+    with pytest.raises(ValueError, match="BatchNorm.running_var is read-only"):
+        layer.load_state_dict(new)
+    assert _state_unchanged(layer, before)

@@ -51,12 +51,15 @@ from fastln._checks import (
     check_eps,
     check_int_argument,
     check_momentum,
+    check_running,
     describe,
     refuse_masked,
 )
 from fastln._threads import resolve_num_threads
 
 __all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+
+_MAX_BATCH_COUNT = 2**63 - 1  # num_batches_tracked is an int64, as in torch
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -278,6 +281,9 @@ class _Layer:
 
     def _check_state_value(self, key, value):
         target = np.asarray(getattr(self, key))
+        if not target.flags.writeable:  # found now, not after other arrays were written
+            raise ValueError(f"{type(self).__name__}.{key} is read-only: load_state_dict "
+                             "writes the values into the layer's own arrays")
         if value.shape != target.shape:
             raise ValueError(f"state_dict[{key!r}] has shape {value.shape}, but "
                              f"{type(self).__name__}.{key} has shape {target.shape}")
@@ -514,12 +520,34 @@ class BatchNorm(_Layer):
 
     def _check_state_value(self, key, value):
         if key == "num_batches_tracked":
-            if value.shape != () or value.dtype.kind not in "iu" or value < 0:
+            if value.shape != () or value.dtype.kind not in "iu":
                 raise TypeError(f"state_dict['num_batches_tracked'] must be a non-negative "
                                 f"integer scalar (0-d array), got {value.dtype} array of shape "
                                 f"{value.shape}")
-            return value
+            # An int64 count, as torch's: a uint64 of 2**63 or more would be stored negative.
+            count = int(value)
+            if not 0 <= count <= _MAX_BATCH_COUNT:
+                raise ValueError(f"state_dict['num_batches_tracked'] must be a count in "
+                                 f"[0, 2**63 - 1], got {describe(count)}")
+            if not self.num_batches_tracked.flags.writeable:
+                raise ValueError("BatchNorm.num_batches_tracked is read-only: load_state_dict "
+                                 "writes the values into the layer's own arrays")
+            return np.int64(count)
         return super()._check_state_value(key, value)
+
+    def _next_batch_count(self):
+        """num_batches_tracked + 1, checked before a training forward changes anything."""
+        try:
+            tracked = int(self.num_batches_tracked)
+        except (TypeError, ValueError):
+            raise RuntimeError(f"BatchNorm.num_batches_tracked must be an integer count, got "
+                               f"{describe(self.num_batches_tracked)}") from None
+        if not 0 <= tracked < _MAX_BATCH_COUNT:
+            raise RuntimeError(
+                f"BatchNorm.num_batches_tracked is {describe(tracked)}: a training forward "
+                f"counts one more batch, which needs a count in [0, 2**63 - 2]; call "
+                "reset_running_stats() or load a smaller count")
+        return tracked + 1
 
     def _forward(self, x):
         common = dict(eps=self.eps, axis=self.axis, num_threads=self.num_threads)
@@ -529,7 +557,7 @@ class BatchNorm(_Layer):
             return fastln.batch_norm_forward(x, self.weight, self.bias, self.running_mean,
                                              self.running_var, training=False, **common)
 
-        count = int(self.num_batches_tracked) + 1
+        count = self._next_batch_count()
         momentum = 1.0 - 1.0 / count if self.momentum is None else self.momentum
         if not self.unbiased_running_var:
             y, cache = fastln.batch_norm_forward(x, self.weight, self.bias, self.running_mean,
@@ -541,6 +569,12 @@ class BatchNorm(_Layer):
                 raise ValueError(f"BatchNorm with unbiased_running_var=True needs more than one "
                                  f"value per feature in training mode (the unbiased variance "
                                  f"divides by m - 1), got x of shape {x.shape}")
+            # The layer's running statistics are updated after the call: check them before it,
+            # so that a forward that fails changes nothing.
+            running_mean = check_running(self.running_mean, "running_mean", self.num_features,
+                                         training=True)
+            running_var = check_running(self.running_var, "running_var", self.num_features,
+                                        training=True)
             # momentum=0 makes batch_norm store the exact batch mean and biased variance here.
             batch_mean = np.zeros(self.num_features)
             batch_var = np.zeros(self.num_features)
@@ -548,8 +582,8 @@ class BatchNorm(_Layer):
                                                  batch_var, training=True, momentum=0.0,
                                                  **common)
             batch_var *= values_per_feature / (values_per_feature - 1)
-            update_running(self.running_mean, momentum, batch_mean)
-            update_running_var(self.running_var, momentum, batch_var)
+            update_running(running_mean, momentum, batch_mean)
+            update_running_var(running_var, momentum, batch_var)
         self.num_batches_tracked[...] = count
         return y, cache
 
