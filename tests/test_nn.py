@@ -545,3 +545,43 @@ def test_load_state_dict_into_a_read_only_array_changes_nothing():
     with pytest.raises(ValueError, match="BatchNorm.running_var is read-only"):
         layer.load_state_dict(new)
     assert _state_unchanged(layer, before)
+
+
+def test_load_reads_the_file_save_wrote_not_a_stale_one_beside_it(tmp_path):
+    """save(p) writes p.npz; load(p) read a file named p when there was one."""
+    saved, stale = trained_batch_norm(), nn.BatchNorm(3)
+    path = tmp_path / "model"
+    saved.save(path)
+    with open(path, "wb") as file:  # an older archive under the bare name
+        np.savez(file, **stale.state_dict())
+    fresh = nn.BatchNorm(3).load(path)
+    assert _state_unchanged(fresh, saved.state_dict())
+    assert _state_unchanged(nn.BatchNorm(3).load(str(path)), saved.state_dict())
+    (tmp_path / "model.npz").unlink()  # only the bare name left: that is what load reads
+    assert _state_unchanged(nn.BatchNorm(3).load(path), stale.state_dict())
+
+
+@requires_torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("make", ["LayerNorm", "RMSNorm", "BatchNorm"])
+def test_a_bfloat16_state_dict_loads(make, dtype):
+    """A bfloat16 torch model's state dict (NumPy has no bfloat16): every bfloat16 is a float32,
+    so it loads without loss into float32 and float64 layers, torch tensors and ml_dtypes
+    arrays alike."""
+    torch_layer = getattr(torch.nn, {"BatchNorm": "BatchNorm1d"}.get(make, make))(6)
+    with torch.no_grad():
+        for tensor in torch_layer.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape) * 3 + 0.1)
+    torch_layer = torch_layer.to(torch.bfloat16)
+    layer = getattr(nn, make)(6, dtype=dtype)
+    layer.load_state_dict(torch_layer.state_dict())
+    for key, tensor in torch_layer.state_dict().items():
+        np.testing.assert_array_equal(layer.state_dict()[key], tensor.float().numpy())
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    as_numpy = {key: tensor.float().numpy().astype(ml_dtypes.bfloat16)
+                if tensor.is_floating_point() else tensor.numpy()
+                for key, tensor in torch_layer.state_dict().items()}
+    again = getattr(nn, make)(6, dtype=dtype)
+    again.load_state_dict(as_numpy)
+    assert _state_unchanged(again, layer.state_dict())

@@ -53,6 +53,7 @@ from fastln._checks import (
     check_momentum,
     check_running,
     describe,
+    is_bfloat16,
     refuse_masked,
 )
 from fastln._threads import resolve_num_threads
@@ -116,7 +117,10 @@ def _as_numpy(value, key):
     refuse_masked(value, f"state_dict[{key!r}]")
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch.Tensor, without torch
         try:
-            value = value.detach().cpu().numpy()
+            value = value.detach().cpu()
+            if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: float32 holds
+                value = value.float()                 # every bfloat16 exactly
+            value = value.numpy()
         except (TypeError, RuntimeError) as exc:
             raise TypeError(f"state_dict[{key!r}]: cannot convert the tensor to NumPy: "
                             f"{exc}") from None
@@ -125,7 +129,21 @@ def _as_numpy(value, key):
     except (TypeError, ValueError) as exc:
         raise TypeError(f"state_dict[{key!r}] must be array-like, got "
                         f"{type(value).__name__}: {exc}") from None
+    if is_bfloat16(array.dtype):  # ml_dtypes' bfloat16: exactly float32 too
+        array = array.astype(np.float32)
     return array
+
+
+def _saved_file(path):
+    """The file save(path) writes: path itself when it ends with .npz (or is a file object),
+    else path + ".npz", as np.savez names it. When that does not exist, path as it is."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return path
+    name = os.fspath(path)
+    suffix = b".npz" if isinstance(name, bytes) else ".npz"
+    if name.endswith(suffix) or not os.path.exists(name + suffix):
+        return name
+    return name + suffix
 
 
 class _Layer:
@@ -304,12 +322,11 @@ class _Layer:
     def load(self, path):
         """Load a ``.npz`` written by :meth:`save` (strictly, as :meth:`load_state_dict`).
 
-        ``path`` may omit the ``.npz`` that :meth:`save` added. Returns the layer.
+        ``path`` may omit the ``.npz`` that :meth:`save` added: ``load(p)`` reads the file
+        ``save(p)`` wrote, ``p + ".npz"``, also when a file named ``p`` exists beside it (``p``
+        itself is read only when there is no ``p + ".npz"``). Returns the layer.
         """
-        if (isinstance(path, (str, os.PathLike)) and not os.path.exists(path)
-                and os.path.exists(os.fspath(path) + ".npz")):
-            path = os.fspath(path) + ".npz"
-        with np.load(path, allow_pickle=False) as archive:
+        with np.load(_saved_file(path), allow_pickle=False) as archive:
             self.load_state_dict({key: archive[key] for key in archive.files})
         return self
 
