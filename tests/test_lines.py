@@ -225,3 +225,47 @@ def test_the_installed_command_reads_stdin_and_sets_the_exit_status():
     assert result.stdout == "-0.9258 -0.4629 1.3887\n"
     assert result.stderr == "line 3: 'x' is not a number\n"
     assert result.returncode == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples of every magnitude
+# ---------------------------------------------------------------------------------------------
+
+def exact_layer_norm(values, eps):
+    """x_hat of one sample in exact arithmetic (square root to 200 bits), rounded once to
+    float64; a constant sample gives zeros."""
+    import math
+    from fractions import Fraction
+    x = [Fraction(float(v)) for v in values]
+    mean = sum(x, Fraction(0)) / len(x)
+    var = sum(((v - mean) ** 2 for v in x), Fraction(0)) / len(x) + Fraction(eps)
+    if var == 0:
+        return [0.0] * len(x)
+    shift = 400 - (var.numerator.bit_length() - var.denominator.bit_length())
+    shift += shift % 2
+    scaled = Fraction(var * Fraction(2) ** shift)
+    root = Fraction(math.isqrt(scaled.numerator // scaled.denominator)) / Fraction(2) ** (shift // 2)
+    return [float((v - mean) / root) for v in x]
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-5, 1e300])
+@pytest.mark.parametrize("exponent", [-1074, -1070, -1060, -1040, -1023, -1000, -600, 0, 600,
+                                      1000, 1020])
+def test_a_sample_of_any_magnitude_normalizes(exponent, eps):
+    """The largest |value| below ~5.6e-309 made math.ldexp raise OverflowError (a traceback
+    from `fastln lines`); now every magnitude, subnormal to near DBL_MAX, is normalized as
+    exact arithmetic says (the subnormal samples as the floats they are)."""
+    rng = np.random.default_rng(exponent + 2000)
+    sample = np.ldexp(rng.standard_normal(5), exponent)
+    sample[0] = -sample[1] if sample[1] != 0 else np.ldexp(1.0, exponent)  # never constant
+    got = normalize_sample(sample, eps=eps)
+    np.testing.assert_allclose(got, exact_layer_norm(sample, eps), rtol=1e-13, atol=1e-300)
+    words = " ".join(repr(float(v)) for v in sample)
+    status, out, err = run(f"EPS {eps!r}\nINPUT {words}\nNORM\n")
+    assert (status, err) == (0, []) and out == [format_values(exact_layer_norm(sample, eps))]
+
+
+def test_the_reported_subnormal_sample():
+    assert run("INPUT 1e-310 2e-310\nNORM\n") == (0, ["0.0000 0.0000"], [])
+    assert run("EPS 0\nINPUT 1e-310 2e-310\nINPUT 5e-324 1e-323\nNORM\n") == (
+        0, ["-1.0000 1.0000"] * 2, [])

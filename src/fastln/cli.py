@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = {
     "bench": ("fastln.bench.command",
               "time fastln against NumPy, PyTorch and ONNX Runtime on this machine"),
-    "lines": ("fastln.lines", "the lesson's program: normalize samples given as INPUT/NORM lines"),
+    "lines": ("fastln.lines", "normalize samples given as INPUT/NORM lines, one command a line"),
 }
 
 WORKED_EXAMPLE = [10.0, 20.0, 60.0]

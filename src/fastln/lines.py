@@ -65,15 +65,20 @@ def format_values(values, precision=DEFAULT_PRECISION):
 
 
 def normalize_sample(x, gamma=None, beta=None, eps=DEFAULT_EPS):
-    """The lesson's layer_norm for one sample, computed by fastln.layer_norm in float64.
+    """y = gamma * (x - mean) / sqrt(var + eps) + beta for one sample, computed by
+    fastln.layer_norm in float64.
 
     A constant sample has x - mean = 0 and variance 0: x_hat is 0 and the result is beta,
     even with eps = 0 (0 / 0 would be nan).
 
-    The sample is first scaled by a power of two that brings its largest value near 1, and eps
-    by the square of it. That is exact and changes no bit of the result for ordinary values,
-    but keeps the variance of values near 1e300 from overflowing (and of values near 1e-300
-    from underflowing) in float64.
+    The sample is first scaled by the power of two 2**-e that brings the larger of its largest
+    |value| and sqrt(eps) into [0.5, 1), and eps by its square: x and eps are then at most 1,
+    so the variance of values near 1e300 cannot overflow, nor that of subnormal values
+    underflow, nor eps overflow. LayerNorm is invariant under that scaling, and it is exact
+    (a value far below the largest, or eps far below the variance, may round, but below what
+    the result can show), so ordinary samples get every bit of fastln.layer_norm's result.
+    The factors themselves may be beyond float64 (2**1074 for the smallest subnormal): the
+    exponents are applied with ldexp.
     """
     import fastln
 
@@ -82,12 +87,11 @@ def normalize_sample(x, gamma=None, beta=None, eps=DEFAULT_EPS):
     beta = np.zeros_like(x) if beta is None else np.asarray(beta, dtype=np.float64)
     if np.all(x == x[0]):
         return beta.copy()
-    _, exponent = math.frexp(float(np.max(np.abs(x))))
-    scale = math.ldexp(1.0, -exponent)
-    # eps * scale**2 can only overflow when eps dwarfs the variance (x_hat is ~0 then):
-    # the largest float keeps it that way without an inf.
-    scaled_eps = min(eps * scale * scale, sys.float_info.max)
-    return fastln.layer_norm(x * scale, gamma, beta, scaled_eps)
+    _, exponent = math.frexp(max(float(np.max(np.abs(x))), math.sqrt(eps)))
+    with np.errstate(under="ignore"):
+        scaled_x = np.ldexp(x, -exponent)
+    scaled_eps = math.ldexp(eps, -2 * exponent)  # at most 1: no overflow
+    return fastln.layer_norm(scaled_x, gamma, beta, scaled_eps)
 
 
 class LinesProgram:
