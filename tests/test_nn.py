@@ -166,8 +166,8 @@ def test_batch_norm_with_unbiased_running_var_matches_torch_in_both_modes(dtype,
 
 
 @requires_torch
-def test_batch_norm_default_follows_the_lesson_biased_running_var():
-    """Default: running_var takes the biased batch variance (the lesson); torch's the unbiased."""
+def test_batch_norm_default_takes_the_biased_batch_variance():
+    """Default: running_var takes the biased batch variance (divide by m); torch's the unbiased."""
     rng = np.random.default_rng(3)
     x = random(rng, (8, 3), np.float64, scale=2.0)
     layer = nn.BatchNorm(3, momentum=0.9, dtype=np.float64)
@@ -240,7 +240,7 @@ def test_batch_norm_unbiased_needs_two_values_per_feature():
     with pytest.raises(ValueError, match="more than one value per feature"):
         layer(np.ones((1, 3)))
     assert int(layer.num_batches_tracked) == 0
-    y = nn.BatchNorm(3)(np.array([[1.0, 2.0, 3.0]]))  # the lesson's (biased) rule allows it
+    y = nn.BatchNorm(3)(np.array([[1.0, 2.0, 3.0]]))  # the biased variance (divide by m) allows it
     np.testing.assert_array_equal(y, 0.0)
 
 

@@ -1,7 +1,7 @@
 """Normalization layers for models written in NumPy: ``LayerNorm``, ``RMSNorm``, ``BatchNorm``.
 
-Each layer owns its parameters as NumPy arrays, named as in PyTorch (``weight`` is the lessons'
-gamma, ``bias`` their beta), so the ``state_dict`` of the matching ``torch.nn`` layer loads
+Each layer owns its parameters as NumPy arrays, named as in PyTorch (``weight`` is the scale
+gamma, ``bias`` the shift beta), so the ``state_dict`` of the matching ``torch.nn`` layer loads
 unchanged and ours loads into torch after ``torch.from_numpy``::
 
     import numpy as np
@@ -32,7 +32,7 @@ Conventions shared by the three layers:
   ``zero_grad()``, which zeroes them in place, like PyTorch's ``.grad``.
 - ``train()`` / ``eval()`` set ``training``. Only BatchNorm behaves differently (batch statistics
   while training, running statistics in evaluation); LayerNorm and RMSNorm compute exactly the
-  same thing in both modes, as the lessons stress.
+  same thing in both modes (each sample is normalized with its own statistics).
 - ``state_dict()`` returns copies; ``load_state_dict()`` checks every key, shape and dtype before
   changing anything and then writes into the existing arrays, so references an optimizer holds
   stay valid. ``save(path)`` / ``load(path)`` store and read the state dict as ``.npz``.
@@ -457,14 +457,14 @@ class BatchNorm(_Layer):
 
     **Against PyTorch.** The state dict has torch's keys: ``weight``, ``bias``,
     ``running_mean``, ``running_var``, ``num_batches_tracked`` (a 0-d int64 count of training
-    batches). Two conventions differ, and the defaults follow the lesson:
+    batches). Two conventions differ, and the defaults are the formulas above:
 
-    - ``momentum`` is the weight of the OLD running value (the lesson's alpha, Keras'
-      momentum); torch's weighs the new batch. ``torch_momentum = 1 - momentum``, so the
+    - ``momentum`` is the weight of the OLD running value (the alpha of
+      ``running = alpha * running + (1 - alpha) * batch``, Keras' momentum); torch's weighs the new batch. ``torch_momentum = 1 - momentum``, so the
       defaults agree (0.9 here, 0.1 in torch). ``momentum=None`` is torch's cumulative average
       (the new batch weighs ``1 / num_batches_tracked``).
-    - The running variance takes the batch's biased variance (divide by m, as the lesson
-      writes it and Keras does); torch's takes the unbiased one (divide by m - 1).
+    - The running variance takes the batch's biased variance (divide by m, the variance
+      the batch is normalized with, as Keras does); torch's takes the unbiased one (divide by m - 1).
       ``unbiased_running_var=True`` follows torch, so that the running statistics of a layer
       trained here and a torch layer trained on the same batches agree; a batch with one value
       per feature then raises, as in torch. The normalization itself always uses the biased
