@@ -40,6 +40,24 @@ def test_names_argument_helper():
 # float32 x of shape (4, 3).
 # --------------------------------------------------------------------------------------------
 
+class _FailsToConvert:
+    """An array-like whose __array__ (or __len__) raises an error of its own."""
+
+    def __init__(self, in_len=False):
+        self.in_len = in_len
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("boom")
+
+    def __len__(self):
+        if self.in_len:
+            raise LookupError("no length")
+        return 3
+
+    def __getitem__(self, index):
+        raise IndexError(index)
+
+
 def _x(dtype=np.float32, shape=(4, 3)):
     return (np.arange(np.prod(shape), dtype=np.float64).reshape(shape) ** 2 % 7).astype(dtype)
 
@@ -64,6 +82,9 @@ FORWARD_CASES = [
     ("x-None", dict(x=lambda: None), TypeError, "x", []),
     ("x-dict", dict(x=lambda: {"a": 1}), TypeError, "x", []),
     ("x-structured", dict(x=lambda: np.zeros((2, 3), dtype=[("a", "f4")])), TypeError, "x", []),
+    # an object whose own conversion fails (any exception): still the argument's TypeError
+    ("x-array-raises", dict(x=lambda: _FailsToConvert()), TypeError, "x", ["boom"]),
+    ("x-len-raises", dict(x=lambda: _FailsToConvert(in_len=True)), TypeError, "x", []),
     # x: shapes
     ("x-0d-array", dict(x=lambda: np.array(3.0)), ValueError, "x", ["0-d"]),
     ("x-0d-float32", dict(x=lambda: np.float32(3.0)), ValueError, "x", []),
@@ -96,6 +117,7 @@ FORWARD_CASES = [
     ("gamma-str", dict(gamma=lambda: ["a", "b", "c"]), TypeError, "gamma", []),
     ("gamma-object", dict(gamma=lambda: np.array([1, 2, 3], object)), TypeError, "gamma", []),
     ("gamma-datetime", dict(gamma=lambda: np.zeros(3, "M8[s]")), TypeError, "gamma", []),
+    ("gamma-array-raises", dict(gamma=lambda: _FailsToConvert()), TypeError, "gamma", ["boom"]),
     ("beta-long", dict(beta=lambda: np.zeros(4, np.float32)), ValueError, "beta",
      ["(4,)", "(3,)"]),
     ("beta-scalar", dict(beta=lambda: 0.0), ValueError, "beta", []),
@@ -403,6 +425,9 @@ NUMERIC_CASES = [
     ("momentum", HUGE, ValueError), ("momentum", Fraction(HUGE + 1, HUGE), ValueError),
     ("momentum", Fraction(-1, HUGE), ValueError), ("momentum", Decimal("NaN"), ValueError),
     ("momentum", True, TypeError), ("momentum", Decimal("0.25"), 0.25),
+    # NumPy registers timedelta64 as an integer: a duration is no number of threads or eps
+    ("eps", np.timedelta64(5), TypeError), ("momentum", np.timedelta64(0), TypeError),
+    ("num_threads", np.timedelta64(2), ValueError), ("axis", np.timedelta64(0), TypeError),
     ("momentum", Fraction(1, 4), 0.25), ("momentum", np.float32(0.5), 0.5),
 ]
 NUMERIC_FUNCS = ["layer_norm", "layer_norm_forward", "rms_norm", "rms_norm_forward",

@@ -585,3 +585,22 @@ def test_a_bfloat16_state_dict_loads(make, dtype):
     again = getattr(nn, make)(6, dtype=dtype)
     again.load_state_dict(as_numpy)
     assert _state_unchanged(again, layer.state_dict())
+
+
+def test_load_of_a_file_that_is_not_a_saved_state_dict_is_a_clear_error(tmp_path):
+    npy, junk, zipped, objects = (tmp_path / name for name in ("one.npy", "junk.npz",
+                                                               "zip.npz", "objects.npz"))
+    np.save(npy, np.ones(3))
+    junk.write_bytes(b"not numpy at all")
+    zipped.write_bytes(b"PK\x03\x04 but not a zip archive")
+    np.savez(objects, weight=np.array([None] * 3, dtype=object), bias=np.zeros(3))
+    layer = nn.LayerNorm(3)
+    before = layer.state_dict()
+    for path, detail in ((npy, "a single array"), (junk, ""), (zipped, "zip"),
+                         (objects, "entry 'weight'")):
+        with pytest.raises(ValueError, match="is not an .npz archive written by save()") as info:
+            layer.load(path)
+        assert detail in str(info.value)
+        assert _state_unchanged(layer, before)
+    with pytest.raises(FileNotFoundError):
+        layer.load(tmp_path / "missing")

@@ -127,8 +127,11 @@ def as_array(value, name):
         return plain_ndarray(value)
     try:
         array = np.asarray(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be array-like, got {type(value).__name__}: {exc}") from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # also what an __array__, __len__ or __getitem__ of its own raises
+        raise TypeError(f"{name} must be array-like, got {type(value).__name__}: "
+                        f"{str(exc)[:200]}") from exc
     if array.dtype.kind in "OSUV":
         raise TypeError(f"{name} must be a numeric array, got {type(value).__name__} "
                         f"that converts to dtype {array.dtype}")
@@ -152,6 +155,8 @@ def check_int_argument(value, name):
     True would silently mean 1."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    if isinstance(value, np.timedelta64):  # registered as an integer, but a duration
+        raise TypeError(f"{name} must be an int, got timedelta64")
     try:
         return operator.index(value)
     except TypeError:
@@ -172,7 +177,8 @@ def real_number(value, name, requirement):
     float. TypeError for anything else; ValueError, saying `requirement`, for a value beyond
     float64 (10**400, Fraction(10**400, 3): float() would raise OverflowError) or that float
     cannot represent (a signalling Decimal NaN)."""
-    if (isinstance(value, (bool, np.bool_))
+    # NumPy's timedelta64 is registered as an integer: a duration is not a number here.
+    if (isinstance(value, (bool, np.bool_, np.timedelta64))
             or not isinstance(value, (numbers.Real, decimal.Decimal))):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
@@ -196,7 +202,7 @@ def check_num_threads(num_threads):
     """None (the default count, see fastln._threads.resolve_num_threads) or a positive int."""
     if num_threads is None:
         return None
-    if (isinstance(num_threads, (bool, np.bool_))
+    if (isinstance(num_threads, (bool, np.bool_, np.timedelta64))
             or not isinstance(num_threads, numbers.Integral) or num_threads < 1):
         raise ValueError(f"num_threads must be None or a positive int, got "
                          f"{describe(num_threads)}")

@@ -40,6 +40,7 @@ Conventions shared by the three layers:
 import math
 import numbers
 import os
+import zipfile
 from collections import namedtuple
 
 import numpy as np
@@ -326,8 +327,22 @@ class _Layer:
         ``save(p)`` wrote, ``p + ".npz"``, also when a file named ``p`` exists beside it (``p``
         itself is read only when there is no ``p + ".npz"``). Returns the layer.
         """
-        with np.load(_saved_file(path), allow_pickle=False) as archive:
-            self.load_state_dict({key: archive[key] for key in archive.files})
+        path = _saved_file(path)
+        not_saved = f"{describe(path)} is not an .npz archive written by save()"
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # not NumPy's; pickled data
+            raise ValueError(f"{not_saved}: {exc}") from None
+        if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy: one array, no names
+            raise ValueError(f"{not_saved}: it holds a single array")
+        with archive:
+            state = {}
+            for key in archive.files:
+                try:
+                    state[key] = archive[key]
+                except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # object arrays, ...
+                    raise ValueError(f"{not_saved}: entry {key!r}: {exc}") from None
+        self.load_state_dict(state)
         return self
 
 
