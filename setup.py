@@ -35,7 +35,7 @@ OPENMP_PROBE = textwrap.dedent(
 # exactly alike and a row's result never depends on which code path wrote it.
 BASE_COMPILE_ARGS = [
     "-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno",
-    "-Wall", "-Wextra", "-Wno-unused-function", "-Wno-psabi",
+    "-Wall", "-Wextra", "-Wno-psabi",
 ]
 
 
@@ -90,9 +90,7 @@ def extensions():
     )
     modules = [
         Extension("fastln._kernels", ["src/fastln/_kernels.pyx"], **common),
-        Extension("fastln._bandwidth", ["src/fastln/_bandwidth.pyx"], **common),
-        Extension("fastln._family_kernels", ["src/fastln/_family_kernels.pyx"], **common),
-        Extension("fastln._half_kernels", ["src/fastln/_half_kernels.pyx"], **common),
+        Extension("fastln.bench._bandwidth", ["src/fastln/bench/_bandwidth.pyx"], **common),
         Extension("fastln._output_cache", ["src/fastln/_output_cache.pyx"], **common),
     ]
     return cythonize(

@@ -15,24 +15,18 @@ batched into samples of about a millisecond and a test stops after 3 to 15 sampl
 """
 import gc
 import importlib.util
-import os
 
-# As `fastln bench` does (see fastln.bench.command): idle OpenMP workers sleep instead of
-# spinning for milliseconds into the next test. Only effective before libgomp is loaded, i.e.
-# when this conftest is the first to import fastln (or torch).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 if importlib.util.find_spec("pytest_benchmark") is None:
     # The suite needs the plugin (pip install pytest-benchmark): without it, collect nothing
     # instead of failing on the missing `benchmark` fixture.
     collect_ignore_glob = ["test_*.py"]
 
-from fastln.bench.machine import usable_cpus  # noqa: E402
-from fastln.bench.ops.base import check_rows  # noqa: E402
-from fastln.bench.timing import settle_allocator  # noqa: E402
+from fastln.bench.machine import usable_cpus
+from fastln.bench.operation import check_rows
+from fastln.bench.timing import settle_allocator
 
 
 def pytest_sessionstart(session):

@@ -5,7 +5,7 @@
 
 For each case, on one thread and interleaved in rounds (medians of 9, with fastln.bench.timing's
 calibrated samples and warm-ups), it times NumPy's naive forward and backward and fastln's, on the
-inputs and as `fastln bench` prepares them (fastln.bench.ops.layer_norm), and the cheapest NumPy
+inputs and as `fastln bench` prepares them (fastln.bench.ops), and the cheapest NumPy
 call that moves the same memory: `np.copyto(y, x)` for the forward (read x, write y) and
 `np.add(x, dy, out=dx)` for the backward (read x and dy, write dx), into a reused buffer (fastln
 allocates its output, as in the default `fastln bench` run). A LayerNorm moves at least that

@@ -25,6 +25,8 @@ def run_benchmark(benchmark, input_cache, num_threads, op, shape, dtype, impleme
         pytest.skip(f"{implementation.peer} is not installed")
     inputs, reference = input_cache.get(operation, shape, dtype, num_threads)
     prepared = implementation.prepare(inputs, num_threads, False)
+    # As `fastln bench` does: the previous test's spinning OpenMP workers go idle first.
+    timing.wait_for_idle_threads()
 
     benchmark.group = f"{op} {_shape_id(shape)} {dtype}"
     benchmark.extra_info.update(implementation=implementation.name, threads=prepared.threads,

@@ -1,7 +1,14 @@
-"""A small CPU transformer with and without fastln.torch.patch: time per step, same results.
+"""A small CPU transformer with and without fastln.torch.patch: time per step, same results;
+and, with --layers, the LayerNorm module alone at three shapes with the cost of the glue.
 
     python benchmarks/torch_swap.py                    # defaults: 4 blocks, d=256, 8 x 128 tokens
     python benchmarks/torch_swap.py --threads 1 --blocks 2 --width 512 --repeats 20
+    python benchmarks/torch_swap.py --layers           # (1, 768), (1024, 256), (4096, 768)
+
+--layers times torch.nn.LayerNorm and fastln.torch.LayerNorm (float32) in inference_mode and
+for forward + backward, interleaved in rounds (medians), and fastln.layer_norm on the tensors'
+NumPy views with the same parameters: the module's time minus that call's is the glue, what
+fastln.torch adds to fastln (module call, checks, views, wrapping the result).
 
 The model is a pre-norm (GPT-style) stack: x + attention(LayerNorm(x)), x + MLP(LayerNorm(x)),
 a final LayerNorm. The same model object is timed as PyTorch built it and after
@@ -82,6 +89,66 @@ def _compare(model, x, repeats, train):
     return {name: statistics.median(t) * 1e3 for name, t in results.items()}
 
 
+LAYER_SHAPES = ((1, 768), (1024, 256), (4096, 768))
+
+
+def _interleaved_us(steps, target_seconds=0.002, rounds=15):
+    """{name: median microseconds per call}, the steps timed in turn within each round."""
+    calls = {}
+    for name, step in steps.items():
+        step()
+        calls[name] = max(1, int(target_seconds / max(min(_time(step, 3)), 1e-7)))
+    samples = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                step()
+            samples[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+
+
+def layer_table(threads):
+    """The LayerNorm module alone: inference and forward + backward, torch against fastln."""
+    rows = []
+    for shape in LAYER_SHAPES:
+        width = shape[-1]
+        theirs, ours = torch.nn.LayerNorm(width), fastln.torch.LayerNorm(width, num_threads=threads)
+        with torch.no_grad():
+            theirs.weight.normal_()
+            theirs.bias.normal_()
+        ours.load_state_dict(theirs.state_dict())
+        x = torch.randn(shape)
+        x_array, weight, bias = x.numpy(), ours.weight.detach().numpy(), ours.bias.detach().numpy()
+        with torch.inference_mode():
+            inference = _interleaved_us({
+                "torch": lambda: theirs(x), "fastln.torch": lambda: ours(x),
+                "fastln": lambda: fastln.layer_norm(x_array, weight, bias, 1e-5,
+                                                    num_threads=threads)})
+        x_grad, grad_output = x.clone().requires_grad_(), torch.randn(shape)
+        training = _interleaved_us({
+            "torch": lambda: theirs(x_grad).backward(grad_output),
+            "fastln.torch": lambda: ours(x_grad).backward(grad_output)})
+        rows.append({"shape": list(shape), "inference_us": inference,
+                     "forward_backward_us": training,
+                     "glue_us": inference["fastln.torch"] - inference["fastln"]})
+    return rows
+
+
+def print_layer_table(rows, threads):
+    print(f"LayerNorm modules alone, float32, {threads} thread(s), torch {torch.__version__}; "
+          f"medians of interleaved rounds, microseconds per call")
+    print(f"{'shape':<12}{'inference: torch':>18}{'fastln.torch':>14}{'speed-up':>10}"
+          f"{'glue':>8}{'fwd+bwd: torch':>16}{'fastln.torch':>14}{'speed-up':>10}")
+    for row in rows:
+        inference, training = row["inference_us"], row["forward_backward_us"]
+        print(f"{str(tuple(row['shape'])):<12}{inference['torch']:>18.2f}"
+              f"{inference['fastln.torch']:>14.2f}"
+              f"{inference['torch'] / inference['fastln.torch']:>9.2f}x{row['glue_us']:>8.2f}"
+              f"{training['torch']:>16.1f}{training['fastln.torch']:>14.1f}"
+              f"{training['torch'] / training['fastln.torch']:>9.2f}x")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=4)
@@ -92,11 +159,22 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--layers", action="store_true",
+                        help="time the LayerNorm module alone at (1, 768), (1024, 256) and "
+                             "(4096, 768), with the glue's cost")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     fastln.set_num_threads(args.threads)
+    if args.layers:
+        rows = layer_table(args.threads)
+        if args.json:
+            print(json.dumps({"threads": args.threads, "torch": torch.__version__,
+                              "layers": rows}, indent=2))
+        else:
+            print_layer_table(rows, args.threads)
+        return
     model = Model(args.blocks, args.width, args.heads)
     x = torch.randn(args.batch, args.tokens, args.width)
 

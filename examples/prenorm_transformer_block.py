@@ -1,7 +1,7 @@
 """A pre-norm transformer (inference) in NumPy, with fastln's fused residual add + LayerNorm.
 
 Each pre-norm block normalizes the residual stream before each sublayer and adds the sublayer's
-output back (the lessons' "modern" placement; GPT-2 and most LLMs)::
+output back (the placement of GPT-2 and most LLMs since)::
 
     h = h + attention(layer_norm_1(h))
     h = h + mlp(layer_norm_2(h))

@@ -1,10 +1,10 @@
 """Train a deep MLP in plain NumPy with and without fastln.nn.LayerNorm, and plot the difference.
 
-The lessons claim that normalization keeps the activations between layers well-scaled, so that a
+The claim under test: normalization keeps the activations between layers well-scaled, so that a
 deep network trains stably and is far less sensitive to its initialization and learning rate.
 This example puts it to the test: two copies of the same 12-layer tanh MLP (same initial
 weights, same batches, same plain SGD and learning rate) learn a synthetic classification task;
-one has a LayerNorm between each linear map and its tanh (the lesson's "before the activation"
+one has a LayerNorm between each linear map and its tanh (the "before the activation"
 placement, which keeps the input of the nonlinearity centred where saturation hurts most), the
 other has not.
 

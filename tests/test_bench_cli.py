@@ -11,8 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from unittest import mock
 
 import pytest
 
@@ -22,22 +22,24 @@ from fastln.bench.ops import OPERATIONS
 
 TINY = ["bench", "--shapes", "4x32,16x64", "--dtypes", "float32", "--threads", "1",
         "--peers", "numpy", "--repeat", "2", "--min-sample-ms", "0.2",
-        "--copy-buffer-mib", "4", "--no-progress"]
+        "--copy-buffer-mib", "4", "--no-progress", "--no-files"]
 IMPLEMENTATIONS = {"forward": ["fastln", "numpy-naive", "numpy-inplace"],
                    "backward": ["fastln", "numpy-naive", "numpy-inplace"]}
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run_main(argv):
-    """cli.main measuring in this process: (exit status, stdout, stderr).
-
-    `fastln bench` normally measures in a child process (see fastln.bench.command); the marker
-    keeps these runs in-process and fast. The child path has its own test below.
-    """
+def run_main(argv, cwd=None):
+    """cli.main in this process: (exit status, stdout, stderr), run in `cwd` (a fresh temporary
+    directory by default, so that default output files never land in the checkout)."""
     stdout, stderr = io.StringIO(), io.StringIO()
-    with mock.patch.dict(os.environ, {command.CHILD_ENVIRONMENT: "1"}), \
-            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        status = cli.main(argv)
+    previous = os.getcwd()
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(cwd or scratch)
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                status = cli.main(argv)
+        finally:
+            os.chdir(previous)
     return status, stdout.getvalue(), stderr.getvalue()
 
 
@@ -202,7 +204,7 @@ def test_malformed_shapes_exit_2_naming_the_option(shapes, capsys):
     assert "--shapes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, value", [("--ops", "sideways"), ("--dtypes", "float16"),
+@pytest.mark.parametrize("option, value", [("--ops", "sideways"), ("--dtypes", "int32"),
                                            ("--threads", "0"), ("--threads", "two"),
                                            ("--peers", "tensorflow"), ("--repeat", "0")])
 def test_bad_options_exit_2_naming_the_option(option, value, capsys):
@@ -259,27 +261,26 @@ def test_fastln_alone_describes_the_build_and_the_worked_example():
 
 def _clean_environment(**extra):
     environment = {name: value for name, value in os.environ.items()
-                   if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-                                   command.CHILD_ENVIRONMENT)}
+                   if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     environment.update(extra)
     return environment
 
 
-def test_python_m_fastln_bench_measures_in_a_child_with_a_short_openmp_spin(tmp_path):
-    path = tmp_path / "child.json"
+def test_python_m_fastln_bench_measures_with_openmps_default_wait_policy(tmp_path):
+    # What users get: nothing set, no child process with another policy.
+    path = tmp_path / "default.json"
     result = subprocess.run([sys.executable, "-m", "fastln", *TINY, "--ops", "forward",
                              "--json", str(path)],
                             capture_output=True, text=True, timeout=120,
                             env=_clean_environment())
     assert result.returncode == 0, result.stderr
-    spin = f"GOMP_SPINCOUNT={command.GOMP_SPIN_COUNT}"
-    assert "numpy-inplace" in result.stdout and spin in result.stdout
+    assert "numpy-inplace" in result.stdout and "OpenMP's default wait policy" in result.stdout
     assert "ms and at least 3 untimed calls" in result.stdout
     data = json.loads(path.read_text())
     environment = data["machine"]["thread_environment"]
-    assert environment["GOMP_SPINCOUNT"] == str(command.GOMP_SPIN_COUNT)
-    assert "OMP_WAIT_POLICY" not in environment
+    assert "GOMP_SPINCOUNT" not in environment and "OMP_WAIT_POLICY" not in environment
     assert data["settings"]["warmup_seconds"] > 0 and data["settings"]["warmup_min_calls"] == 3
+    assert data["settings"]["idle_wait_seconds"] >= 0
 
 
 @pytest.mark.parametrize("name, value", [("GOMP_SPINCOUNT", "1234"),
@@ -342,35 +343,24 @@ def test_cpus_taken_by_other_processes():
 
 def test_the_header_says_how_idle_workers_waited():
     machine = {"thread_environment": {"GOMP_SPINCOUNT": "10000", "OMP_NUM_THREADS": "2"}}
-    spinning = {"session.intra_op.allow_spinning": "1",
-                "session.intra_op.spin_duration_us": "200"}
-    assert report.wait_policy({"machine": machine, "settings": {}}) == ["GOMP_SPINCOUNT=10000"]
-    assert report.wait_policy({"machine": machine,
-                               "settings": {"onnxruntime_session_config": spinning}}) == [
-        "GOMP_SPINCOUNT=10000", "onnxruntime spin 200 µs"]
-    machine = {"thread_environment": {"OMP_WAIT_POLICY": "PASSIVE"}}
     off = {"session.intra_op.allow_spinning": "0"}
+    assert report.wait_policy({"machine": machine, "settings": {}}) == ["GOMP_SPINCOUNT=10000"]
+    assert report.wait_policy({"machine": {"thread_environment": {}}, "settings": {}}) == [
+        "OpenMP's default wait policy"]
+    machine = {"thread_environment": {"OMP_WAIT_POLICY": "PASSIVE"}}
     assert report.wait_policy({"machine": machine,
                                "settings": {"onnxruntime_session_config": off}}) == [
         "OMP_WAIT_POLICY=PASSIVE", "onnxruntime spinning off"]
 
 
 @pytest.mark.skipif(not peers.is_installed("onnxruntime"), reason="onnxruntime is not installed")
-def test_onnxruntime_workers_spin_briefly_unless_passive_or_too_old(monkeypatch):
-    import onnxruntime
+def test_onnxruntime_workers_never_spin(monkeypatch):
+    from fastln.bench.peers import onnxruntime as onnxruntime_peer
 
-    from fastln.bench.ops import base
-
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(onnxruntime, "__version__", "1.32.0")
-    assert base.onnxruntime_spinning() == {
-        "session.intra_op.allow_spinning": "1",
-        "session.intra_op.spin_duration_us": str(base.ONNXRUNTIME_SPIN_MICROSECONDS)}
-    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert base.onnxruntime_spinning() == {"session.intra_op.allow_spinning": "0"}
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setattr(onnxruntime, "__version__", "1.20.1")  # no spin_duration_us yet
-    assert base.onnxruntime_spinning() == {"session.intra_op.allow_spinning": "0"}
+    for policy in ("", "passive", "active"):
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        assert onnxruntime_peer.onnxruntime_spinning() == {
+            "session.intra_op.allow_spinning": "0"}
 
 
 def test_peers_that_are_not_selected_are_not_imported():

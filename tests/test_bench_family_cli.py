@@ -15,14 +15,15 @@ import pytest
 
 from fastln import cli
 from fastln.bench import command, peers, report, runner, timing
+from fastln.bench.operation import RunningStatistics, batch_axes, check_rows
 from fastln.bench.ops import OPERATIONS, Implementation, Prepared, compare_results
-from fastln.bench.ops import add_norm, batch_norm, rms_norm
-from fastln.bench.ops.base import check_rows
+from fastln.bench.peers import onnxruntime as onnxruntime_peer
+from fastln.bench.peers import torch as torch_peer
 from test_bench_cli import TINY, run_main
 
 FAMILY_OPS = ("rms_forward", "rms_backward", "add_layer_norm", "add_rms_norm",
               "batch_norm_train", "batch_norm_backward")
-# Bytes each operation must move, in units of x's size (see each module's docstring).
+# Bytes each operation must move, in units of x's size (see fastln.bench.ops).
 BYTES_FACTOR = {"rms_forward": 2, "rms_backward": 3, "add_layer_norm": 4, "add_rms_norm": 4,
                 "batch_norm_train": 3, "batch_norm_backward": 5}
 # Every implementation, by operation; the peers that are not installed are left out below.
@@ -226,7 +227,7 @@ def test_wrong_running_statistics_are_reported_not_timed(monkeypatch):
 
     def prepare_wrong_momentum(inputs, num_threads, out_buffer):
         # Right y, running statistics updated with PyTorch's momentum unconverted.
-        running = batch_norm.RunningStatistics(inputs)
+        running = RunningStatistics(inputs)
 
         def call():
             running.updates += 1
@@ -259,7 +260,7 @@ def test_a_missing_sum_is_reported_not_timed(monkeypatch):
 
 @pytest.mark.skipif(not peers.is_installed("onnxruntime"), reason="onnxruntime is not installed")
 def test_onnxruntime_without_rms_normalization_is_an_error_not_a_crash(monkeypatch):
-    monkeypatch.setattr(rms_norm, "onnx_supports_rms_normalization", lambda: False)
+    monkeypatch.setattr(onnxruntime_peer, "supports_rms_normalization", lambda: False)
     implementation = OPERATIONS["rms_forward"].implementation("onnxruntime")
     statuses = _run_with(monkeypatch, "rms_forward", [implementation],
                          peer_names=("onnxruntime",))
@@ -272,9 +273,9 @@ def test_onnxruntime_without_rms_normalization_is_an_error_not_a_crash(monkeypat
 @pytest.mark.parametrize("fused", [False, True])
 def test_torch_rms_backward_both_ways(monkeypatch, fused):
     # Autograd, or aten._fused_rms_norm_backward where it has a CPU kernel.
-    if fused and not rms_norm.torch_fused_rms_backward_runs():
+    if fused and not torch_peer.fused_rms_backward_runs():
         pytest.skip("this PyTorch has no CPU kernel for aten._fused_rms_norm_backward")
-    monkeypatch.setitem(rms_norm._fused_backward_runs, "cpu", fused)
+    monkeypatch.setitem(torch_peer._fused_backward_runs, "cpu", fused)
     operation = OPERATIONS["rms_backward"]
     inputs = operation.make_inputs((6, 40), "float64", np.random.default_rng(2))
     prepared = operation.implementation("torch").prepare(inputs, 1, False)
@@ -285,13 +286,15 @@ def test_torch_rms_backward_both_ways(monkeypatch, fused):
 
 
 def test_batch_norm_shapes_put_the_features_on_axis_1():
-    inputs = batch_norm.make_forward_inputs((2, 3, 4, 5), "float64", np.random.default_rng(0))
+    inputs = OPERATIONS["batch_norm_train"].make_inputs((2, 3, 4, 5), "float64",
+                                                        np.random.default_rng(0))
     assert inputs.n_features == 3 and inputs.values_per_feature == 40
     assert inputs.gamma.shape == inputs.running_mean.shape == (3,)
-    assert batch_norm.batch_axes(4) == (0, 2, 3)
+    assert batch_axes(4) == (0, 2, 3)
 
 
 def test_add_norm_bytes_count_both_inputs_and_both_outputs():
-    assert add_norm.bytes_moved((4, 8), 4) == 4 * 32 * 4
-    assert batch_norm.train_bytes_moved((2, 3, 4, 5), 8) == 3 * 120 * 8
-    assert batch_norm.backward_bytes_moved((16, 8), 4) == 5 * 128 * 4
+    assert OPERATIONS["add_layer_norm"].bytes_moved((4, 8), 4) == 4 * 32 * 4
+    assert OPERATIONS["add_rms_norm"].bytes_moved((4, 8), 4) == 4 * 32 * 4
+    assert OPERATIONS["batch_norm_train"].bytes_moved((2, 3, 4, 5), 8) == 3 * 120 * 8
+    assert OPERATIONS["batch_norm_backward"].bytes_moved((16, 8), 4) == 5 * 128 * 4

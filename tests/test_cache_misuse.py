@@ -132,14 +132,12 @@ def _expected_backward(op):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("op, backward", [(op, backward) for op in OPS for backward in BACKWARDS
+                                          if backward != _expected_backward(op)])
 def test_cache_from_another_operation(impl, op, backward):
     module = IMPLS[impl]
     x, dy = _inputs()
     cache, _ = _forward(module, op, x)
-    if backward == _expected_backward(op):
-        pytest.skip("the matching backward")
     _assert_refused(getattr(module, backward), dy, cache, ValueError,
                     [backward.replace("_backward", "")])
 

@@ -289,3 +289,62 @@ def test_mypy_rejects_wrong_calls(tmp_path, mypy_cache):
                           re.finditer(r"user_script\.py:(\d+): error", done.stdout)})
     # axis="last", set_num_threads("2"), eps="small", a cache that is not one
     assert error_lines == [6, 7, 8, 9], done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The README and the guide: every Python block runs as written, in a fresh interpreter
+# ---------------------------------------------------------------------------------------------
+
+RUNNABLE_DOCS = [ROOT / "README.md", ROOT / "docs" / "guide.md"]
+NEEDS_YOUR_DATA = "# needs your data"
+
+
+def _python_blocks():
+    blocks = []
+    for path in RUNNABLE_DOCS:
+        for index, match in enumerate(re.finditer(r"^```python\n(.*?)^```", path.read_text(),
+                                                  flags=re.M | re.S)):
+            blocks.append(pytest.param(match.group(1), id=f"{path.name}-{index}"))
+    return blocks
+
+
+def _imported_packages(code):
+    packages = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            packages.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            packages.add(node.module.split(".")[0])
+    return packages
+
+
+def test_the_docs_have_python_blocks_to_run():
+    assert len(_python_blocks()) >= 8
+
+
+@pytest.mark.parametrize("code", _python_blocks())
+def test_python_blocks_run_as_written(code, tmp_path):
+    compile(code, "<block>", "exec")  # every block, those that need the reader's files too
+    if NEEDS_YOUR_DATA in code:
+        return
+    missing = sorted(name for name in _imported_packages(code) if not _available(name))
+    if missing:
+        pytest.skip(f"the block imports {', '.join(missing)}, which is not installed")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                                  *sorted((ROOT / "examples").glob("*.py"))],
+                         ids=lambda path: path.name)
+def test_no_reference_to_teaching_material_outside_the_repository(path):
+    assert "lesson" not in path.read_text().lower()
+
+
+def test_the_readme_opens_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    first_block = re.search(r"^```bash\n(.*?)^```", text, flags=re.M | re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
+    assert commands == ['pip install ".[bench]" && fastln bench',
+                        'pip install ".[test]" && python -m pytest']

@@ -1,5 +1,5 @@
 """The C-level fast paths (layer_norm_forward_fast, layer_norm_backward_fast in _kernels.pyx;
-rms_norm_forward_fast, rms_norm_backward_fast, add_norm_forward_fast in _family_kernels.pyx).
+rms_norm_forward_fast, rms_norm_backward_fast, add_norm_forward_fast, all in _kernels.pyx).
 
 Every public call is run twice on fresh copies of the same inputs: as it is, and with the fast
 paths switched off (each returns None, so the general Python path runs). The two must agree bit
@@ -13,15 +13,15 @@ import pytest
 from conftest import DTYPES, assert_bitwise_equal, random_input, random_params
 
 import fastln
-from fastln import _family_kernels, _kernels
+from fastln import _kernels
 from fastln._caches import RowNormCache
 
 FAST_FUNCTIONS = (
     (_kernels, "layer_norm_forward_fast"),
     (_kernels, "layer_norm_backward_fast"),
-    (_family_kernels, "rms_norm_forward_fast"),
-    (_family_kernels, "rms_norm_backward_fast"),
-    (_family_kernels, "add_norm_forward_fast"),
+    (_kernels, "rms_norm_forward_fast"),
+    (_kernels, "rms_norm_backward_fast"),
+    (_kernels, "add_norm_forward_fast"),
 )
 N_COLS = 96
 SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))
@@ -510,7 +510,7 @@ def test_forward_falls_back(monkeypatch, name, dtype):
     _check_fallback(monkeypatch, call, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", ("float16", "int64", "bool"))
+@pytest.mark.parametrize("dtype", ("int64", "bool"))
 @pytest.mark.parametrize("op", ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"))
 def test_dtypes_without_a_fast_path_fall_back(monkeypatch, op, dtype):
     def call(d):
@@ -520,6 +520,33 @@ def test_dtypes_without_a_fast_path_fall_back(monkeypatch, op, dtype):
         return getattr(fastln, op)(x)
     fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
     assert fast.error is None and not fast.took_fast_path
+
+
+def _half_dtypes():
+    dtypes = ["float16"]
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes is a test extra
+        return dtypes
+    return dtypes + [ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes())
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"))
+def test_half_precision_takes_the_fast_path(monkeypatch, op, dtype):
+    """float16 and bfloat16 rows with float32 parameters are recognised like float32 ones (a
+    bfloat16 call after the general path has met bfloat16 once), forward and backward."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+
+    def call(d):
+        x = d["x"].astype(dtype)
+        gamma = d["gamma"].astype(np.float32)
+        if op.startswith("add"):
+            return getattr(fastln, op + "_forward")(x, d["residual"].astype(dtype), gamma)
+        y, cache = getattr(fastln, op + "_forward")(x, gamma)
+        return y, cache, getattr(fastln, op + "_backward")(d["dy"].astype(dtype), cache, gamma)
+    fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
 
 
 def _backward(op, forward_inputs=None, dy=None, gamma=False, tamper=None, **kwargs):

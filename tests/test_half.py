@@ -17,11 +17,17 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import Snapshot, assert_bitwise_equal, assert_close, make_layout, random_input
+from conftest import (
+    Snapshot,
+    assert_bitwise_equal,
+    assert_close,
+    make_layout,
+    random_input,
+)
 
 import fastln
 import fastln.reference as reference
-from fastln import _half_kernels
+from fastln import _kernels
 
 try:
     import ml_dtypes
@@ -79,14 +85,14 @@ def half_params(rng, n, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# The conversions (include/fastln/half.h) against NumPy / ml_dtypes
+# The conversions (include/fastln/convert.h, fastln/isa.h) against NumPy / ml_dtypes
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_widening_is_exact_for_every_half_value(dtype):
     every = np.arange(1 << 16, dtype=np.uint16)
     out = np.empty(every.size, np.float32)
-    _half_kernels.widen(every, out, KIND[dtype.name])
+    _kernels.widen(every, out, KIND[dtype.name])
     expected = every.view(dtype).astype(np.float32)
     assert_bitwise_equal(out.view(np.uint32), expected.view(np.uint32))
 
@@ -108,10 +114,66 @@ def test_rounding_matches_astype_bit_for_bit(dtype):
                         np.float32).view(np.uint32)
     values = np.concatenate([random_bits, near, specials]).view(np.float32)
     out = np.empty(values.size, np.uint16)
-    _half_kernels.narrow(values, out, KIND[dtype.name])
+    _kernels.narrow(values, out, KIND[dtype.name])
     with np.errstate(over="ignore", invalid="ignore"):
         expected = values.astype(dtype)
     assert_bitwise_equal(out, bits(expected))
+
+
+def _in_every_variant(function):
+    """function() in each instruction-set variant this CPU runs (fastln/isa.h)."""
+    try:
+        for variant in _kernels.instruction_sets():
+            _kernels.use_instruction_set(variant)
+            function(variant)
+    finally:
+        _kernels.use_instruction_set(None)
+
+
+def _quieted(bits32):
+    """float32 bit patterns with every signalling NaN made quiet (its quiet bit set)."""
+    is_nan = (bits32 & 0x7FFFFFFF) > 0x7F800000
+    return np.where(is_nan, bits32 | np.uint32(0x00400000), bits32)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_kernels_vector_loads_widen_exactly(dtype):
+    """The loads the kernels make (F16C where the target has it) give every half value exactly;
+    a signalling float16 NaN comes out quiet with its sign and payload (IEEE 754's conversion;
+    arithmetic would quiet it next anyway, so no result changes)."""
+    every = np.arange(1 << 16, dtype=np.uint16)
+    expected = every.view(dtype).astype(np.float32).view(np.uint32)
+
+    def check(variant):
+        out = np.empty(every.size, np.float32)
+        _kernels.widen_as_loaded(every, out, KIND[dtype.name])
+        assert_bitwise_equal(_quieted(out.view(np.uint32)), _quieted(expected), variant)
+        is_nan = np.isnan(every.view(dtype).astype(np.float32))
+        assert_bitwise_equal(out.view(np.uint32)[~is_nan], expected[~is_nan], variant)
+    _in_every_variant(check)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_kernels_vector_stores_round_like_astype(dtype):
+    """The stores the kernels make round every float32 a computation can produce (no signalling
+    NaNs: arithmetic never makes one) exactly as astype does."""
+    rng = np.random.default_rng(9)
+    random_bits = rng.integers(0, 1 << 32, size=1_000_000, dtype=np.uint64).astype(np.uint32)
+    every = np.arange(1 << 16, dtype=np.uint16).view(dtype).astype(np.float32)
+    exact = every[np.isfinite(every)].view(np.uint32)
+    half_ulp = np.uint32(1 << (23 - FORMAT[dtype.name][0]))
+    near = np.concatenate([exact + d for d in (np.uint32(1), half_ulp - 1, half_ulp,
+                                               half_ulp + 1)]
+                          + [exact - d for d in (np.uint32(1), half_ulp)])
+    values = _quieted(np.concatenate([random_bits, near])).view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(dtype)
+
+    def check(variant):
+        out = np.empty(values.size, np.uint16)
+        _kernels.narrow_as_stored(values, out, KIND[dtype.name])
+        assert_bitwise_equal(out, bits(expected), variant)
+    _in_every_variant(check)
 
 
 # ---------------------------------------------------------------------------------------------

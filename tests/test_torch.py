@@ -152,17 +152,21 @@ def _address(array):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_contiguous_tensors_are_not_copied(monkeypatch, dtype):
-    """fastln reads the tensor's own memory and writes into the tensor torch returns."""
+    """fastln reads the tensor's own memory, and the tensors torch gets back are fastln's output
+    arrays themselves (torch.from_numpy: no copy)."""
     seen = {}
     forward, backward = fastln.layer_norm_forward, fastln.layer_norm_backward
 
     def spy_forward(x, *args, **kwargs):
-        seen["x"], seen["out"] = x, kwargs["out"]
-        return forward(x, *args, **kwargs)
+        seen["x"] = x
+        seen["y"], cache = forward(x, *args, **kwargs)
+        return seen["y"], cache
 
     def spy_backward(dy, *args, **kwargs):
-        seen["dy"], seen["dx"] = dy, kwargs["out"]
-        return backward(dy, *args, **kwargs)
+        seen["dy"] = dy
+        grads = backward(dy, *args, **kwargs)
+        seen["dx"] = grads[0]
+        return grads
 
     monkeypatch.setattr(fastln, "layer_norm_forward", spy_forward)
     monkeypatch.setattr(fastln, "layer_norm_backward", spy_backward)
@@ -171,7 +175,7 @@ def test_contiguous_tensors_are_not_copied(monkeypatch, dtype):
     grad_output = torch.randn(6, 32, dtype=dtype)
     y.backward(grad_output)
     assert _address(seen["x"]) == x.data_ptr()
-    assert _address(seen["out"]) == y.data_ptr()
+    assert _address(seen["y"]) == y.data_ptr()
     assert _address(seen["dy"]) == grad_output.data_ptr()
     assert _address(seen["dx"]) == x.grad.data_ptr()
 
@@ -267,3 +271,97 @@ def test_bfloat16_without_ml_dtypes_goes_through_float32(monkeypatch):
     torch.testing.assert_close(y.detach(), torch.from_numpy(expected).to(torch.bfloat16))
     y.sum().backward()
     assert x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.bfloat16
+
+
+# --- torch.func ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_torch_func_transforms_work_and_give_torchs_results(kind):
+    """Inside vmap / grad / jacrev / jvp the tensors have no memory NumPy could read:
+    fastln.torch computes with PyTorch's own functions there (documented in its docstring)."""
+    func = torch.func
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    weight = torch.randn(8, dtype=torch.float64)
+    if kind == "layer_norm":
+        ours = lambda t, w: ft.layer_norm(t, (8,), w, None)  # noqa: E731
+        theirs = lambda t, w: torch.nn.functional.layer_norm(t, (8,), w, None)  # noqa: E731
+    else:
+        ours = lambda t, w: ft.rms_norm(t, (8,), w, eps=1e-5)  # noqa: E731
+        theirs = lambda t, w: torch.nn.functional.rms_norm(t, (8,), w, 1e-5)  # noqa: E731
+    torch.testing.assert_close(func.vmap(ours, in_dims=(0, None))(x, weight),
+                               func.vmap(theirs, in_dims=(0, None))(x, weight))
+    loss_ours = lambda t, w: (ours(t, w) ** 3).sum()  # noqa: E731
+    loss_theirs = lambda t, w: (theirs(t, w) ** 3).sum()  # noqa: E731
+    for argnums in (0, 1):
+        torch.testing.assert_close(func.grad(loss_ours, argnums=argnums)(x, weight),
+                                   func.grad(loss_theirs, argnums=argnums)(x, weight))
+    torch.testing.assert_close(func.jacrev(ours)(x[0, 0], weight),
+                               func.jacrev(theirs)(x[0, 0], weight))
+    tangent = torch.randn_like(x)
+    torch.testing.assert_close(func.jvp(lambda t: ours(t, weight), (x,), (tangent,)),
+                               func.jvp(lambda t: theirs(t, weight), (x,), (tangent,)))
+    # Outside the transforms fastln computes again (its own autograd node).
+    assert "_LayerNormFunction" in type(ft.layer_norm(x.requires_grad_(), (8,)).grad_fn).__name__
+
+
+def test_modules_under_functional_call_and_grad():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
+                                torch.nn.RMSNorm(8)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
+                                    torch.nn.RMSNorm(8)).double()
+    reference.load_state_dict(model.state_dict())
+    ft.patch(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    params = dict(model.named_parameters())
+
+    def loss(module):
+        return lambda p: torch.func.functional_call(module, p, (x,)).square().sum()
+
+    ours = torch.func.grad(loss(model))(params)
+    theirs = torch.func.grad(loss(reference))(dict(reference.named_parameters()))
+    for name in params:
+        torch.testing.assert_close(ours[name], theirs[name])
+
+
+# --- the modules' parameter views ---------------------------------------------------------------
+
+def test_parameter_views_follow_every_change_of_the_parameters():
+    import copy
+    import pickle
+
+    norm = ft.LayerNorm(8)
+    x = torch.randn(3, 8)
+
+    def expected():
+        return torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias).detach()
+
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), expected())
+        norm.weight.mul_(2.0)                                   # in place: seen through the view
+        torch.testing.assert_close(norm(x), expected())
+        norm.weight = torch.nn.Parameter(torch.randn(8))        # a new Parameter
+        torch.testing.assert_close(norm(x), expected())
+        norm.bias.data = torch.randn(8)                         # new storage, same Parameter
+        torch.testing.assert_close(norm(x), expected())
+        norm.double()                                           # new dtype
+        x = x.double()
+        torch.testing.assert_close(norm(x), expected())
+    assert "_fastln_views" in norm.__dict__
+    assert "_fastln_views" not in copy.deepcopy(norm).__dict__
+    assert "_fastln_views" not in pickle.loads(pickle.dumps(norm)).__dict__
+    model = ft.unpatch(torch.nn.Sequential(norm))
+    assert "_fastln_views" not in model[0].__dict__
+
+
+def test_rms_module_views_and_training_step():
+    norm = ft.RMSNorm(8, eps=1e-6)
+    reference = torch.nn.RMSNorm(8, eps=1e-6)
+    optimizer = torch.optim.SGD(norm.parameters(), lr=0.5)
+    x = torch.randn(4, 8)
+    for _ in range(3):  # the optimizer's in-place steps must be seen by the next call
+        reference.load_state_dict(norm.state_dict())
+        y, y_reference = norm(x), reference(x)
+        torch.testing.assert_close(y, y_reference)
+        optimizer.zero_grad()
+        y.square().sum().backward()
+        optimizer.step()

@@ -66,7 +66,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$work/logs/ubs
 
 echo "== checking that the sanitized build is the one imported"
 "$python" - <<'EOF' || exit 3
-import os, subprocess, fastln, fastln._kernels as k, fastln._family_kernels as f
+import os, subprocess, fastln, fastln._kernels as k, fastln._output_cache as f
 root = os.environ["PYTHONPATH"]
 for module in (fastln, k, f):
     assert module.__file__.startswith(root), (module.__file__, root)

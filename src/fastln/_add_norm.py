@@ -6,7 +6,7 @@ sum). The caches are the plain LayerNorm / RMSNorm caches of s, so the ordinary 
 """
 import numpy as np
 
-from fastln import _family_kernels, _half_kernels
+from fastln import _kernels
 from fastln._caches import LayerNormCache, RMSNormCache
 from fastln._checks import (
     as_kernel_array,
@@ -16,8 +16,6 @@ from fastln._checks import (
     check_param,
     check_residual,
     compute_dtype,
-    half_kind,
-    is_half,
     normalize_axis,
     protect_from_output,
     rows_and_cols,
@@ -64,12 +62,13 @@ def _forward(rms, x, residual, gamma, beta, eps, bias, axis, out, sum_out, num_t
     if keep_cache:
         rstd = np.empty(n_rows, stats_dtype)
         mean = None if rms else np.empty(n_rows, stats_dtype)
-    if is_half(dtype):
-        _half_kernels.norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows, y_rows,
-                                   mean, rstd, rms, eps, half_kind(dtype), num_threads)
+    storage = _kernels.storage_code(dtype)
+    if rms:
+        _kernels.add_rms_norm_forward(x_rows, residual_rows, bias, gamma, s_rows, y_rows, rstd,
+                                      eps, storage, num_threads)
     else:
-        _family_kernels.add_norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows,
-                                         y_rows, mean, rstd, rms, eps, num_threads)
+        _kernels.add_layer_norm_forward(x_rows, residual_rows, bias, gamma, beta, s_rows,
+                                        y_rows, mean, rstd, eps, storage, num_threads)
     # y and s are plain views of a subclass's out and sum_out: return the caller's own arrays
     results = (y if out is None else out, s if sum_out is None else sum_out)
     if not keep_cache:
@@ -124,7 +123,7 @@ _GRADIENT_DOC = """
 
 def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                    sum_out=None, num_threads=None):
-    result = _family_kernels.add_norm_forward_fast(False, x, residual, gamma, beta, eps, bias,
+    result = _kernels.add_norm_forward_fast(False, x, residual, gamma, beta, eps, bias,
                                                    axis, out, sum_out, num_threads, False)
     if result is not None:
         return result
@@ -134,7 +133,7 @@ def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, a
 
 def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
                            out=None, sum_out=None, num_threads=None):
-    result = _family_kernels.add_norm_forward_fast(False, x, residual, gamma, beta, eps, bias,
+    result = _kernels.add_norm_forward_fast(False, x, residual, gamma, beta, eps, bias,
                                                    axis, out, sum_out, num_threads, True)
     if result is not None:
         y, s, mean, rstd = result
@@ -145,7 +144,7 @@ def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias
 
 def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                  sum_out=None, num_threads=None):
-    result = _family_kernels.add_norm_forward_fast(True, x, residual, gamma, None, eps, bias,
+    result = _kernels.add_norm_forward_fast(True, x, residual, gamma, None, eps, bias,
                                                    axis, out, sum_out, num_threads, False)
     if result is not None:
         return result
@@ -155,7 +154,7 @@ def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=N
 
 def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                          sum_out=None, num_threads=None):
-    result = _family_kernels.add_norm_forward_fast(True, x, residual, gamma, None, eps, bias,
+    result = _kernels.add_norm_forward_fast(True, x, residual, gamma, None, eps, bias,
                                                    axis, out, sum_out, num_threads, True)
     if result is not None:
         y, s, mean, rstd = result

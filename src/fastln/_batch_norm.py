@@ -8,7 +8,7 @@ evaluation mode it normalizes with the running statistics.
 
 import numpy as np
 
-from fastln import _family_kernels
+from fastln import _kernels
 from fastln._caches import BatchNormCache, check_cache
 from fastln._checks import (
     as_array,
@@ -71,10 +71,10 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
     rstd = np.zeros(n_features, FLOAT64)
     if x.size > 0:
         x_data = protect_from_output(as_kernel_array(x, dtype), y)
-        _family_kernels.batch_norm_forward(
+        _kernels.batch_norm_forward(
             x_data, y, n_outer, n_features, n_inner, gamma, beta,
             None if training else running_mean, None if training else running_var,
-            mean, var, rstd, training, eps, num_threads)
+            mean, var, rstd, training, eps, _kernels.storage_code(dtype), num_threads)
     elif not training and n_features > 0:  # empty batch in evaluation mode: stats only
         mean[...] = running_mean
         rstd[...] = 1.0 / np.sqrt(running_var + eps)
@@ -248,8 +248,8 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
         return result, dgamma, dbeta
     dy_data = protect_from_output(as_kernel_array(dy, dtype), dx)
     x_data = protect_from_output(as_kernel_array(cache.x, dtype), dx)
-    _family_kernels.batch_norm_backward(
+    _kernels.batch_norm_backward(
         dy_data, x_data, dx, dgamma, dbeta, n_outer, n_features, n_inner, gamma,
         as_kernel_array(cache.mean, FLOAT64), as_kernel_array(cache.rstd, FLOAT64),
-        cache.training, cache.eps, num_threads)
+        cache.training, cache.eps, _kernels.storage_code(dtype), num_threads)
     return result, dgamma, dbeta

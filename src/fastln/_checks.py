@@ -33,11 +33,6 @@ def is_half(dtype):
     return (dtype.kind == "f" and dtype.itemsize == 2) or is_bfloat16(dtype)
 
 
-def half_kind(dtype):
-    """The `kind` code of fastln._half_kernels: 0 for float16, 1 for bfloat16."""
-    return 1 if is_bfloat16(dtype) else 0
-
-
 def compute_dtype(dtype):
     """The dtype of the parameters (gamma, beta, bias) and statistics for output `dtype`:
     float32 for the half formats (the precision they are computed in), else `dtype` itself."""

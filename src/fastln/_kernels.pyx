@@ -1,76 +1,159 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Plumbing between the Python API and the C row kernels in include/fastln/.
+"""Plumbing between the Python API and the C kernels (include/fastln/kernels.h).
 
-Callers (fastln._layer_norm) have already checked every argument: arrays arrive C-contiguous,
-aligned, in native byte order and with matching float32/float64 dtypes. This module only takes
-their data pointers, releases the GIL and runs the rows in an OpenMP prange.
+One binding entry per operation and direction (layer_norm_forward, layer_norm_backward,
+rms_norm_forward, rms_norm_backward, add_layer_norm_forward, add_rms_norm_forward,
+batch_norm_forward, batch_norm_backward). Each takes kernel-ready arrays - C-contiguous, aligned,
+native byte order, of the storage type `storage` (FLOAT16, BFLOAT16, FLOAT32, FLOAT64) and, for
+parameters and statistics, of its parameter type (float32, or float64 for float64) - that the
+Python layer has checked, fills the C call structure, and runs the operation's phases through one
+driver (_run), with the GIL released. The storage type picks the row of the dispatch table; the
+instruction set (chosen at import) picks the table.
+
+At the end, the recognisers of small common calls (layer_norm_forward_fast, ...): for one
+768-wide row the Python checks would cost several times the arithmetic, so a call whose arguments
+are already kernel-ready is recognised here with a few C-level tests and goes straight to the
+same entry. A recogniser only recognises: whatever it does not recognise - including every invalid
+argument - returns None, and the caller takes the general path, whose checks are the only ones
+that raise. tests/test_fast_paths.py holds the two paths to the same results.
 """
 from cython.parallel cimport prange
+from libc.math cimport INFINITY
+from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport calloc, free
-from libc.stdint cimport int64_t
 
 cimport numpy as cnp
 
-from fastln._fastpath cimport (
-    _FastRows,
-    _clobbers,
-    _data,
-    _fast_rows,
-    _is_fast_eps,
-    _is_fast_out,
-    _is_kernel_array,
-    _is_last_axis,
-    _is_cache_dtype,
-    _is_param,
-    _is_row_stats,
-    _new_column_sums,
-    _new_like,
-    _new_row_stats,
-    _overlaps,
-    _same_shape,
-)
 from fastln._openmp cimport (
     fastln_openmp_enabled,
     fastln_openmp_max_threads,
+    fastln_openmp_set_max_threads,
     fastln_thread_cap,
     fastln_watch_for_fork,
 )
-from fastln._parallel cimport _row_blocks, _worth_threads
+from fastln._output_cache cimport new_output
 
 cnp.import_array()
 fastln_watch_for_fork()  # forked children run serially: see fastln/openmp_compat.h
 
-ctypedef fused floating:
-    float
-    double
+cdef extern from "fastln/kernels.h" nogil:
+    ctypedef void (*fastln_task)(const void *call, int64_t begin, int64_t end) noexcept nogil
 
-cdef extern from "fastln/layer_norm.h" nogil:
-    void fastln_layer_norm_forward_row_f32(
-        const float *x, const float *gamma, const float *beta, float *y, int64_t n_cols,
-        double eps, double *mean_out, double *rstd_out, int streaming)
-    void fastln_layer_norm_forward_row_f64(
-        const double *x, const double *gamma, const double *beta, double *y, int64_t n_cols,
-        double eps, double *mean_out, double *rstd_out, int streaming)
-    void fastln_layer_norm_backward_rows_f32(
-        const float *dy, const float *x, const float *gamma, const float *mean,
-        const float *rstd, double eps, float *dx, int64_t n_rows, int64_t n_cols,
-        float *dgamma_acc, float *dbeta_acc, int streaming)
-    void fastln_layer_norm_backward_rows_f64(
-        const double *dy, const double *x, const double *gamma, const double *mean,
-        const double *rstd, double eps, double *dx, int64_t n_rows, int64_t n_cols,
-        double *dgamma_acc, double *dbeta_acc, int streaming)
-    void fastln_flush_accumulators_f32(float *accumulators, double *partials, int64_t n)
-    int FASTLN_ROWS_PER_FLUSH
-    int FASTLN_BACKWARD_GROUP
-    void fastln_sum_block_partials_f32(
-        double *partials, int64_t n_blocks, int64_t n_cols, float *out)
-    void fastln_sum_block_partials_f64(
-        double *partials, int64_t n_blocks, int64_t n_cols, double *out)
+    ctypedef struct fastln_rows_call:
+        const void *x
+        const void *residual
+        const void *dy
+        void *y
+        void *s
+        void *dx
+        const void *gamma
+        const void *beta
+        const void *bias
+        void *mean
+        void *rstd
+        int64_t n_rows, n_cols
+        double eps
+        int streaming
+        int64_t n_blocks, rows_per_block
+        double *partials
+        float *accumulators
+        void *dgamma
+        void *dbeta
 
-# Outputs at least this large are written with streaming (non-temporal) stores: measured here,
-# they gain from 32 MiB up and lose below (the output would still have been in cache).
-cdef enum:
-    MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
+    ctypedef struct fastln_bn_call:
+        const void *x
+        const void *dy
+        void *y
+        void *dx
+        int64_t n_outer, n_features, n_inner
+        double eps
+        int training
+        const double *gamma
+        const double *beta
+        const double *running_mean
+        const double *running_var
+        double *mean
+        double *var
+        double *rstd
+        void *dgamma_out
+        void *dbeta_out
+        int64_t n_blocks, rows_per_block, n_chunks, n_units, rows_per_unit
+        double *shift
+        double *center
+        double *scale
+        double *offset
+        double *sum
+        double *sumsq
+        double *sum_dy
+        double *sum_dy_d
+        double *sum_d
+        double *dgamma
+        double *correction
+        double *k
+        double *mean_dy
+        double *coef
+        double *partials
+        int64_t *finish
+        int64_t *n_finish
+
+    enum:
+        FASTLN_FLOAT16, FASTLN_BFLOAT16, FASTLN_FLOAT32, FASTLN_FLOAT64
+        FASTLN_ISA_BASE, FASTLN_ISA_AVX2, FASTLN_ISA_AVX512
+        FASTLN_LAYER_NORM_FORWARD, FASTLN_RMS_NORM_FORWARD, FASTLN_ADD_LAYER_NORM_FORWARD
+        FASTLN_ADD_RMS_NORM_FORWARD, FASTLN_LAYER_NORM_BACKWARD, FASTLN_RMS_NORM_BACKWARD
+        FASTLN_COLUMN_SUMS, FASTLN_BN_FIRST_VALUES, FASTLN_BN_STATISTICS
+        FASTLN_BN_TRAIN_CONSTANTS, FASTLN_BN_APPLY, FASTLN_BN_FINISH_RESCALED
+        FASTLN_BN_BACKWARD_SUMS, FASTLN_BN_BACKWARD_CONSTANTS, FASTLN_BN_BACKWARD_APPLY
+        FASTLN_BN_BACKWARD_FINISH_RESCALED, FASTLN_WIDEN, FASTLN_NARROW
+        FASTLN_MAX_BLOCKS
+    float fastln_float16_to_float(uint16_t value)
+    uint16_t fastln_float_to_float16(float value)
+    float fastln_bfloat16_to_float(uint16_t value)
+    uint16_t fastln_float_to_bfloat16(float value)
+
+    int fastln_cpu_isa()
+    fastln_task fastln_task_for(int isa, int storage, int task)
+    int64_t fastln_row_blocks(int64_t n_rows)
+    void fastln_bn_layout(fastln_bn_call *call, int64_t max_blocks)
+    void fastln_bn_eval_constants(const fastln_bn_call *call)
+
+FLOAT16 = FASTLN_FLOAT16
+BFLOAT16 = FASTLN_BFLOAT16
+FLOAT32 = FASTLN_FLOAT32
+FLOAT64 = FASTLN_FLOAT64
+
+# ---------------------------------------------------------------------------------------------
+# Instruction set and threads
+# ---------------------------------------------------------------------------------------------
+
+_ISA_NAMES = {FASTLN_ISA_BASE: "x86-64 baseline", FASTLN_ISA_AVX2: "AVX2",
+              FASTLN_ISA_AVX512: "AVX-512"}
+cdef int _cpu_isa = fastln_cpu_isa()
+cdef int _isa = _cpu_isa
+
+
+def instruction_set():
+    """The name of the kernels' instruction-set variant in use (the best this CPU runs)."""
+    return _ISA_NAMES[_isa]
+
+
+def use_instruction_set(name):
+    """Run the kernels of the variant `name` (one of instruction_sets()), or of the best this CPU
+    runs for None. Every variant gives the same bits; the tests use this to check it."""
+    global _isa
+    choices = {value: key for key, value in _ISA_NAMES.items()}
+    if name is None:
+        _isa = _cpu_isa
+        return
+    if name not in instruction_sets():
+        raise ValueError(f"instruction set {name!r} is not one this CPU runs; expected one of "
+                         f"{instruction_sets()}")
+    _isa = choices[name]
+
+
+def instruction_sets():
+    """The variants this CPU runs, from the baseline up."""
+    return [_ISA_NAMES[isa] for isa in sorted(_ISA_NAMES) if isa <= _cpu_isa]
 
 
 def openmp_enabled():
@@ -79,7 +162,7 @@ def openmp_enabled():
 
 
 def default_num_threads():
-    """OpenMP's default team size (honours OMP_NUM_THREADS); 1 without OpenMP."""
+    """OpenMP's default team size (honours OMP_NUM_THREADS), capped; 1 without OpenMP."""
     return min(fastln_openmp_max_threads(), fastln_thread_cap())
 
 
@@ -88,14 +171,556 @@ def thread_cap():
     return fastln_thread_cap()
 
 
+def set_default_num_threads(int num_threads):
+    """Set the calling thread's OpenMP default team size (fastln.set_num_threads)."""
+    fastln_openmp_set_max_threads(num_threads)
+
+
 # ---------------------------------------------------------------------------------------------
-# Fast path. The common call - C-contiguous native float32/float64 arrays, axis=-1, nothing
-# unusual - is recognised here with a few C-level checks (fastln/_fastpath.pxd) instead of the
-# general Python checks, because for one 768-wide row those checks would cost ten times the
-# arithmetic. Anything the fast path does not recognise (including every invalid argument)
-# returns None, and the caller takes the general path, which does the full checking and raises
-# the errors.
+# The driver: every phase of every operation runs through _run
 # ---------------------------------------------------------------------------------------------
+
+# Below MIN_ELEMENTS_FOR_THREADS elements a call runs on the calling thread: waking the OpenMP
+# team costs more than the work (see docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
+# and more are written with non-temporal stores: below, the output would still have been in
+# cache.
+cdef enum:
+    MIN_ELEMENTS_FOR_THREADS = 32768
+    MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
+
+
+cdef inline fastln_task _task(int storage, int task) noexcept nogil:
+    return fastln_task_for(_isa, storage, task)
+
+
+cdef void _run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_elements,
+               int num_threads) noexcept nogil:
+    """Tasks [0, n_tasks) of the call: on the calling thread when the work is small (even a
+    parallel region that runs on one thread costs about half a microsecond), else in
+    num_threads contiguous ranges, one per thread. Tasks never share an output and every
+    reduction's layout is fixed by the shape, so the split changes no result."""
+    cdef int64_t part, n_parts
+    if num_threads <= 1 or n_tasks <= 1 or n_elements < MIN_ELEMENTS_FOR_THREADS:
+        task(call, 0, n_tasks)
+        return
+    n_parts = min(<int64_t>num_threads, n_tasks)
+    for part in prange(n_parts, schedule='static', num_threads=n_parts):
+        task(call, part * n_tasks // n_parts, (part + 1) * n_tasks // n_parts)
+
+
+cdef inline const void *_data(object array):
+    """An optional array argument's data pointer: NULL for None."""
+    return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
+
+
+cdef inline void _rows_call(fastln_rows_call *call, const void *x, Py_ssize_t n_rows,
+                            Py_ssize_t n_cols, Py_ssize_t output_bytes, double eps) noexcept:
+    """The fields every row call has; every other pointer NULL."""
+    call.x = x
+    call.residual = call.dy = NULL
+    call.y = call.s = call.dx = NULL
+    call.gamma = call.beta = call.bias = NULL
+    call.mean = call.rstd = NULL
+    call.n_rows = n_rows
+    call.n_cols = n_cols
+    call.eps = eps
+    call.streaming = output_bytes >= MIN_BYTES_FOR_STREAMING
+    call.n_blocks = call.rows_per_block = 0
+    call.partials = NULL
+    call.accumulators = NULL
+    call.dgamma = call.dbeta = NULL
+
+
+cdef inline void _rows_call_of(fastln_rows_call *call, cnp.ndarray x, cnp.ndarray output,
+                               double eps) noexcept:
+    """_rows_call for a 2-D x (n_rows, n_cols) and its output."""
+    _rows_call(call, cnp.PyArray_DATA(x), cnp.PyArray_DIM(x, 0), cnp.PyArray_DIM(x, 1),
+               cnp.PyArray_NBYTES(output), eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row normalizations
+# ---------------------------------------------------------------------------------------------
+
+cdef void _forward_rows(int op, fastln_rows_call *call, int storage,
+                        int num_threads) noexcept nogil:
+    _run(_task(storage, op), call, call.n_rows, call.n_rows * call.n_cols, num_threads)
+
+
+cdef inline void _layer_norm_forward(fastln_rows_call *call, object gamma, object beta,
+                                     void *y, object mean, object rstd, int storage,
+                                     int num_threads):
+    call.gamma = _data(gamma)
+    call.beta = _data(beta)
+    call.y = y
+    call.mean = <void*>_data(mean)
+    call.rstd = <void*>_data(rstd)
+    with nogil:
+        _forward_rows(FASTLN_LAYER_NORM_FORWARD, call, storage, num_threads)
+
+
+def layer_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, object mean,
+                       object rstd, double eps, int storage, int num_threads):
+    """LayerNorm of the rows of the 2-D array x into y; mean/rstd (1-D, or None) get the
+    statistics."""
+    cdef fastln_rows_call call
+    _rows_call_of(&call, x, y, eps)
+    _layer_norm_forward(&call, gamma, beta, cnp.PyArray_DATA(y), mean, rstd, storage,
+                        num_threads)
+
+
+cdef inline void _rms_norm_forward(fastln_rows_call *call, object gamma, void *y, object rstd,
+                                   int storage, int num_threads):
+    call.gamma = _data(gamma)
+    call.y = y
+    call.rstd = <void*>_data(rstd)
+    with nogil:
+        _forward_rows(FASTLN_RMS_NORM_FORWARD, call, storage, num_threads)
+
+
+def rms_norm_forward(cnp.ndarray x, object gamma, cnp.ndarray y, object rstd, double eps,
+                     int storage, int num_threads):
+    """RMSNorm of the rows of the 2-D array x into y; rstd (1-D, or None) gets the statistics."""
+    cdef fastln_rows_call call
+    _rows_call_of(&call, x, y, eps)
+    _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(y), rstd, storage, num_threads)
+
+
+cdef inline void _add_norm_forward(int op, fastln_rows_call *call, object residual,
+                                   object bias, object gamma, object beta, object s, object y,
+                                   object mean, object rstd, int storage, int num_threads):
+    call.streaming = 0  # y is written while the row is in cache
+    call.residual = _data(residual)
+    call.bias = _data(bias)
+    call.gamma = _data(gamma)
+    call.beta = _data(beta)
+    call.s = <void*>_data(s)
+    call.y = <void*>_data(y)
+    call.mean = <void*>_data(mean)
+    call.rstd = <void*>_data(rstd)
+    with nogil:
+        _forward_rows(op, call, storage, num_threads)
+
+
+def add_layer_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, object gamma,
+                           object beta, cnp.ndarray s, cnp.ndarray y, object mean, object rstd,
+                           double eps, int storage, int num_threads):
+    """s = x + residual (+ bias) and y = LayerNorm(s) over the rows of the 2-D arrays."""
+    cdef fastln_rows_call call
+    _rows_call_of(&call, x, y, eps)
+    _add_norm_forward(FASTLN_ADD_LAYER_NORM_FORWARD, &call, residual, bias, gamma, beta, s, y,
+                      mean, rstd, storage, num_threads)
+
+
+def add_rms_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, object gamma,
+                         cnp.ndarray s, cnp.ndarray y, object rstd, double eps, int storage,
+                         int num_threads):
+    """s = x + residual (+ bias) and y = RMSNorm(s) over the rows of the 2-D arrays."""
+    cdef fastln_rows_call call
+    _rows_call_of(&call, x, y, eps)
+    _add_norm_forward(FASTLN_ADD_RMS_NORM_FORWARD, &call, residual, bias, gamma, None, s, y,
+                      None, rstd, storage, num_threads)
+
+
+cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
+                        int num_threads) except -1:
+    """A row backward: its row blocks (each with its own zeroed partial sums and, for the
+    float32-compute types, float accumulators), then the column sums in block order."""
+    call.n_blocks = fastln_row_blocks(call.n_rows)
+    call.rows_per_block = (call.n_rows + call.n_blocks - 1) // call.n_blocks
+    call.partials = <double*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(double))
+    if storage != FASTLN_FLOAT64:
+        call.accumulators = <float*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(float))
+    if call.partials == NULL or (storage != FASTLN_FLOAT64 and call.accumulators == NULL):
+        free(call.partials)
+        free(call.accumulators)
+        raise MemoryError("cannot allocate the backward's partial sums")
+    with nogil:
+        _run(_task(storage, op), call, call.n_blocks, call.n_rows * call.n_cols, num_threads)
+        _run(_task(storage, FASTLN_COLUMN_SUMS), call, call.n_cols, call.n_blocks * call.n_cols,
+             num_threads)
+    free(call.partials)
+    free(call.accumulators)
+    return 0
+
+
+cdef inline int _layer_norm_backward(fastln_rows_call *call, object dy, object gamma,
+                                     object mean, object rstd, object dx, object dgamma,
+                                     object dbeta, int storage, int num_threads) except -1:
+    call.dy = _data(dy)
+    call.gamma = _data(gamma)
+    call.mean = <void*>_data(mean)
+    call.rstd = <void*>_data(rstd)
+    call.dx = <void*>_data(dx)
+    call.dgamma = <void*>_data(dgamma)
+    call.dbeta = <void*>_data(dbeta)
+    return _backward_rows(FASTLN_LAYER_NORM_BACKWARD, call, storage, 2, num_threads)
+
+
+def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
+                        cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma, cnp.ndarray dbeta,
+                        double eps, int storage, int num_threads):
+    """LayerNorm backward over the rows of the 2-D arrays dy and x into dx, dgamma and dbeta;
+    eps is the forward's (rows whose cached rstd is Inf are done from x again)."""
+    cdef fastln_rows_call call
+    _rows_call_of(&call, x, dx, eps)
+    _layer_norm_backward(&call, dy, gamma, mean, rstd, dx, dgamma, dbeta, storage, num_threads)
+
+
+cdef inline int _rms_norm_backward(fastln_rows_call *call, object dy, object gamma, object rstd,
+                                   object dx, object dgamma, int storage,
+                                   int num_threads) except -1:
+    call.streaming = 0
+    call.dy = _data(dy)
+    call.gamma = _data(gamma)
+    call.rstd = <void*>_data(rstd)
+    call.dx = <void*>_data(dx)
+    call.dgamma = <void*>_data(dgamma)
+    return _backward_rows(FASTLN_RMS_NORM_BACKWARD, call, storage, 1, num_threads)
+
+
+def rms_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray rstd,
+                      cnp.ndarray dx, cnp.ndarray dgamma, double eps, int storage,
+                      int num_threads):
+    """RMSNorm backward over the rows of the 2-D arrays dy and x into dx and dgamma."""
+    cdef fastln_rows_call call
+    _rows_call_of(&call, x, dx, eps)
+    _rms_norm_backward(&call, dy, gamma, rstd, dx, dgamma, storage, num_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNorm: x is a C-contiguous (n_outer, n_features, n_inner) array
+# ---------------------------------------------------------------------------------------------
+
+cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
+                   Py_ssize_t n_features, Py_ssize_t n_inner, object gamma, double eps,
+                   bint training):
+    call.x = cnp.PyArray_DATA(x)
+    call.dy = NULL
+    call.y = call.dx = NULL
+    call.n_outer = n_outer
+    call.n_features = n_features
+    call.n_inner = n_inner
+    call.eps = eps
+    call.training = training
+    call.gamma = <const double*>_data(gamma)
+    call.beta = call.running_mean = call.running_var = NULL
+    call.dgamma_out = call.dbeta_out = NULL
+    fastln_bn_layout(call, FASTLN_MAX_BLOCKS)
+
+
+cdef inline double *_features(double *scratch, Py_ssize_t n_features, int index) noexcept nogil:
+    return scratch + index * n_features
+
+
+def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssize_t n_features,
+                       Py_ssize_t n_inner, object gamma, object beta, object running_mean,
+                       object running_var, cnp.ndarray mean, cnp.ndarray var, cnp.ndarray rstd,
+                       bint training, double eps, int storage, int num_threads):
+    """BatchNorm of x (n_outer * n_features * n_inner values, C order) into y.
+
+    gamma, beta, running_mean, running_var: float64 (n_features,) or None (running statistics
+    are required when not training). mean, var, rstd: float64 (n_features,) outputs (var only
+    when training)."""
+    cdef fastln_bn_call call
+    _bn_call(&call, x, n_outer, n_features, n_inner, gamma, eps, training)
+    call.y = cnp.PyArray_DATA(y)
+    call.beta = <const double*>_data(beta)
+    call.running_mean = <const double*>_data(running_mean)
+    call.running_var = <const double*>_data(running_var)
+    call.mean = <double*>cnp.PyArray_DATA(mean)
+    call.var = <double*>cnp.PyArray_DATA(var)
+    call.rstd = <double*>cnp.PyArray_DATA(rstd)
+    # shift, center, scale, offset, sum, sumsq, then the rare features' indices (int64, as wide
+    # as a double) and their count
+    cdef double *scratch = <double*>calloc(7 * n_features + 1, sizeof(double))
+    call.partials = NULL
+    if training:
+        call.partials = <double*>calloc(2 * call.n_blocks * n_features, sizeof(double))
+    if scratch == NULL or (training and call.partials == NULL):
+        free(scratch)
+        free(call.partials)
+        raise MemoryError("batch_norm: cannot allocate the per-feature scratch")
+    call.shift = _features(scratch, n_features, 0)
+    call.center = _features(scratch, n_features, 1)
+    call.scale = _features(scratch, n_features, 2)
+    call.offset = _features(scratch, n_features, 3)
+    call.sum = _features(scratch, n_features, 4)
+    call.sumsq = _features(scratch, n_features, 5)
+    call.finish = <int64_t*>_features(scratch, n_features, 6)
+    call.n_finish = <int64_t*>_features(scratch, n_features, 7)
+    cdef int64_t n_elements = n_outer * n_features * n_inner
+    with nogil:
+        if training:
+            _run(_task(storage, FASTLN_BN_FIRST_VALUES), &call, 1, 0, 1)
+            _run(_task(storage, FASTLN_BN_STATISTICS), &call, call.n_blocks * call.n_chunks,
+                 n_elements, num_threads)
+            _run(_task(storage, FASTLN_BN_TRAIN_CONSTANTS), &call, 1, 0, 1)
+        else:
+            fastln_bn_eval_constants(&call)
+        _run(_task(storage, FASTLN_BN_APPLY), &call, call.n_units, n_elements, num_threads)
+        if call.n_finish[0] > 0:
+            _run(_task(storage, FASTLN_BN_FINISH_RESCALED), &call, 1, 0, 1)
+    free(scratch)
+    free(call.partials)
+
+
+def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarray dgamma,
+                        cnp.ndarray dbeta, Py_ssize_t n_outer, Py_ssize_t n_features,
+                        Py_ssize_t n_inner, object gamma, cnp.ndarray mean, cnp.ndarray rstd,
+                        bint training, double eps, int storage, int num_threads):
+    """BatchNorm backward into dx (x's layout) and dgamma, dbeta (n_features, parameter type).
+
+    gamma: float64 (n_features,) or None; mean, rstd: float64 (n_features,) and eps from the
+    forward (eps for the rare features whose rstd is beyond double)."""
+    cdef fastln_bn_call call
+    _bn_call(&call, x, n_outer, n_features, n_inner, gamma, eps, training)
+    call.dy = cnp.PyArray_DATA(dy)
+    call.dx = cnp.PyArray_DATA(dx)
+    call.mean = <double*>cnp.PyArray_DATA(mean)
+    call.rstd = <double*>cnp.PyArray_DATA(rstd)
+    call.var = NULL
+    call.dgamma_out = cnp.PyArray_DATA(dgamma)
+    call.dbeta_out = cnp.PyArray_DATA(dbeta)
+    # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, then the rare features'
+    # indices and their count
+    cdef double *scratch = <double*>calloc(9 * n_features + 1, sizeof(double))
+    call.partials = <double*>calloc(3 * call.n_blocks * n_features, sizeof(double))
+    if scratch == NULL or call.partials == NULL:
+        free(scratch)
+        free(call.partials)
+        raise MemoryError("batch_norm_backward: cannot allocate the per-feature scratch")
+    call.sum_dy = _features(scratch, n_features, 0)
+    call.sum_dy_d = _features(scratch, n_features, 1)
+    call.sum_d = _features(scratch, n_features, 2)
+    call.dgamma = _features(scratch, n_features, 3)
+    call.correction = _features(scratch, n_features, 4)
+    call.k = _features(scratch, n_features, 5)
+    call.mean_dy = _features(scratch, n_features, 6)
+    call.coef = _features(scratch, n_features, 7)
+    call.finish = <int64_t*>_features(scratch, n_features, 8)
+    call.n_finish = <int64_t*>_features(scratch, n_features, 9)
+    cdef int64_t n_elements = n_outer * n_features * n_inner
+    with nogil:
+        _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), &call, call.n_blocks * call.n_chunks,
+             n_elements, num_threads)
+        _run(_task(storage, FASTLN_BN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
+        _run(_task(storage, FASTLN_BN_BACKWARD_APPLY), &call, call.n_units, n_elements,
+             num_threads)
+        if call.n_finish[0] > 0:
+            _run(_task(storage, FASTLN_BN_BACKWARD_FINISH_RESCALED), &call, 1, 0, 1)
+    free(scratch)
+    free(call.partials)
+
+
+# ---------------------------------------------------------------------------------------------
+# The half-precision conversions alone, for the tests (which hold them to NumPy's and
+# ml_dtypes' astype), through the kernels' own loads and stores
+# ---------------------------------------------------------------------------------------------
+
+cdef void _convert(int task, cnp.ndarray source, cnp.ndarray out, int storage):
+    cdef fastln_rows_call call
+    _rows_call(&call, cnp.PyArray_DATA(source), 1, cnp.PyArray_SIZE(source), 0, 0.0)
+    call.y = cnp.PyArray_DATA(out)
+    with nogil:
+        _task(storage, task)(&call, 0, call.n_cols)
+
+
+def widen(cnp.ndarray half, cnp.ndarray out, int storage):
+    """out[:] = half as float32 (1-D C-contiguous arrays of equal length; out float32;
+    storage FLOAT16 or BFLOAT16), one element at a time: the conversion of the kernels' single
+    elements, exact for every value (a signalling NaN stays signalling, as in NumPy)."""
+    cdef const uint16_t *source = <const uint16_t*>cnp.PyArray_DATA(half)
+    cdef float *target = <float*>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t i
+    for i in range(cnp.PyArray_SIZE(half)):
+        target[i] = (fastln_bfloat16_to_float(source[i]) if storage == FASTLN_BFLOAT16
+                     else fastln_float16_to_float(source[i]))
+
+
+def narrow(cnp.ndarray values, cnp.ndarray out, int storage):
+    """out[:] = float32 values rounded to the half format (1-D C-contiguous, equal length), one
+    element at a time."""
+    cdef const float *source = <const float*>cnp.PyArray_DATA(values)
+    cdef uint16_t *target = <uint16_t*>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t i
+    for i in range(cnp.PyArray_SIZE(values)):
+        target[i] = (fastln_float_to_bfloat16(source[i]) if storage == FASTLN_BFLOAT16
+                     else fastln_float_to_float16(source[i]))
+
+
+def widen_as_loaded(cnp.ndarray half, cnp.ndarray out, int storage):
+    """widen as the kernels' vector loads do it in the instruction-set variant in use (F16C
+    quiets a signalling float16 NaN, as IEEE 754 conversions do; every other value is exact)."""
+    _convert(FASTLN_WIDEN, half, out, storage)
+
+
+def narrow_as_stored(cnp.ndarray values, cnp.ndarray out, int storage):
+    """narrow as the kernels' vector stores do it in the variant in use."""
+    _convert(FASTLN_NARROW, values, out, storage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recognisers of small common calls (see the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+cdef int _bfloat16_typenum = -1  # ml_dtypes' bfloat16, once the general path has met it
+
+
+def register_bfloat16(int typenum):
+    """Let the recognisers take bfloat16 arrays (typenum: ml_dtypes' bfloat16 dtype.num)."""
+    global _bfloat16_typenum
+    _bfloat16_typenum = typenum
+
+
+cdef inline int _storage_of(int typenum) noexcept:
+    """The storage type of a dtype number, -1 for the dtypes the kernels do not take."""
+    if typenum == cnp.NPY_FLOAT32:
+        return FASTLN_FLOAT32
+    if typenum == cnp.NPY_FLOAT64:
+        return FASTLN_FLOAT64
+    if typenum == cnp.NPY_FLOAT16:
+        return FASTLN_FLOAT16
+    if typenum == _bfloat16_typenum:
+        return FASTLN_BFLOAT16
+    return -1
+
+
+cdef inline bint _is_kernel_array(object value, int typenum):
+    """An exact ndarray of typenum: C-contiguous, aligned, native byte order."""
+    if type(value) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray array = <cnp.ndarray>value
+    return (cnp.PyArray_TYPE(array) == typenum and cnp.PyArray_ISCARRAY_RO(array)
+            and cnp.PyArray_ISNOTSWAPPED(array))
+
+
+cdef inline bint _is_param(object value, int typenum, Py_ssize_t n_cols):
+    """None, or a 1-D kernel array of n_cols elements."""
+    if value is None:
+        return True
+    return (_is_kernel_array(value, typenum) and cnp.PyArray_NDIM(<cnp.ndarray>value) == 1
+            and cnp.PyArray_DIM(<cnp.ndarray>value, 0) == n_cols)
+
+
+cdef inline bint _overlaps(object a, object b):
+    """Whether the memory of two contiguous arrays (or None) intersects."""
+    if a is None or b is None:
+        return False
+    cdef char *a_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>a)
+    cdef char *b_start = <char*>cnp.PyArray_DATA(<cnp.ndarray>b)
+    return (a_start < b_start + cnp.PyArray_NBYTES(<cnp.ndarray>b)
+            and b_start < a_start + cnp.PyArray_NBYTES(<cnp.ndarray>a))
+
+
+cdef inline bint _clobbers(object out, object source):
+    """Whether writing out could change source before it is read. The kernels read element i of
+    a row before they write element i of its output, so out exactly on top of source (same
+    start, same size) is safe; any other overlap is not."""
+    if not _overlaps(out, source):
+        return False
+    return (cnp.PyArray_DATA(<cnp.ndarray>out) != cnp.PyArray_DATA(<cnp.ndarray>source)
+            or cnp.PyArray_NBYTES(<cnp.ndarray>out) != cnp.PyArray_NBYTES(<cnp.ndarray>source))
+
+
+cdef inline bint _same_leading_dims(cnp.ndarray a, cnp.ndarray b, int ndim):
+    cdef int axis
+    for axis in range(ndim):
+        if cnp.PyArray_DIM(a, axis) != cnp.PyArray_DIM(b, axis):
+            return False
+    return True
+
+
+cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
+    cdef int ndim = cnp.PyArray_NDIM(a)
+    return cnp.PyArray_NDIM(b) == ndim and _same_leading_dims(a, b, ndim)
+
+
+cdef inline bint _is_fast_eps(object eps):
+    return type(eps) is float and 0.0 <= <double>eps < INFINITY
+
+
+cdef inline bint _is_last_axis(object axis, int ndim):
+    """A forward's axis argument naming the last axis, as a plain int (-1 or ndim - 1)."""
+    return type(axis) is int and (axis == -1 or axis == ndim - 1)
+
+
+cdef inline bint _is_fast_out(object out, cnp.ndarray like):
+    """None, or a writeable kernel array of like's dtype and shape."""
+    if out is None:
+        return True
+    return (_is_kernel_array(out, cnp.PyArray_TYPE(like))
+            and cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out) and _same_shape(<cnp.ndarray>out, like))
+
+
+cdef inline bint _is_row_stats(object value, int typenum, cnp.ndarray x):
+    """A cache's per-row statistic (mean or rstd) for x normalized over its last axis: a kernel
+    array of typenum and shape x.shape[:-1], as the forward made it."""
+    if not _is_kernel_array(value, typenum):
+        return False
+    cdef cnp.ndarray stats = <cnp.ndarray>value
+    cdef int ndim = cnp.PyArray_NDIM(x) - 1
+    return cnp.PyArray_NDIM(stats) == ndim and _same_leading_dims(stats, x, ndim)
+
+
+cdef inline bint _is_cache_dtype(object dtype, cnp.ndarray x):
+    """A cache's _dtype field for x: None (a cache built by hand; y's dtype is then the
+    statistics', which _is_row_stats checks) or x's own dtype, as fastln's forwards record it."""
+    if dtype is None:
+        return True
+    return (cnp.PyArray_DescrCheck(dtype)
+            and cnp.PyArray_EquivTypes(<cnp.dtype>dtype, <cnp.dtype>cnp.PyArray_DESCR(x)))
+
+
+# What every recogniser establishes first about its x and num_threads (_fast_rows).
+ctypedef struct _FastRows:
+    int storage           # the storage type of x
+    int typenum           # x's dtype number
+    int param_typenum     # gamma, beta and statistics: float32, or float64 for float64 x
+    int ndim
+    Py_ssize_t n_cols     # x.shape[-1], not 0
+    Py_ssize_t n_rows     # the product of the other dimensions
+    int threads           # the thread count, within the cap
+
+
+cdef inline bint _fast_rows(object x, object num_threads, _FastRows *rows):
+    """The opening test of every recogniser: x a kernel array of a storage type with at least
+    one dimension and a non-empty last axis, and a thread count that needs no checking."""
+    if type(x) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray array = <cnp.ndarray>x
+    rows.typenum = cnp.PyArray_TYPE(array)
+    rows.storage = _storage_of(rows.typenum)
+    rows.ndim = cnp.PyArray_NDIM(array)
+    if rows.storage < 0 or rows.ndim == 0 or not _is_kernel_array(x, rows.typenum):
+        return False
+    rows.param_typenum = cnp.NPY_FLOAT64 if rows.storage == FASTLN_FLOAT64 else cnp.NPY_FLOAT32
+    rows.n_cols = cnp.PyArray_DIM(array, rows.ndim - 1)
+    if num_threads is None:
+        rows.threads = min(fastln_openmp_max_threads(), fastln_thread_cap())
+    elif type(num_threads) is int and 1 <= num_threads <= fastln_thread_cap():
+        rows.threads = <int>num_threads
+    else:
+        return False
+    if rows.n_cols == 0:
+        return False
+    rows.n_rows = cnp.PyArray_SIZE(array) // rows.n_cols
+    return True
+
+
+cdef inline object _new_like(cnp.ndarray x, int typenum):
+    """An output of x's shape (from the output cache when it is large)."""
+    return new_output(cnp.PyArray_NDIM(x), cnp.PyArray_DIMS(x), typenum, cnp.PyArray_NBYTES(x))
+
+
+cdef inline object _new_row_stats(cnp.ndarray x, int typenum):
+    """A per-row statistic (mean, rstd) of x normalized over its last axis: x.shape[:-1]."""
+    return cnp.PyArray_EMPTY(cnp.PyArray_NDIM(x) - 1, cnp.PyArray_DIMS(x), typenum, 0)
+
+
+cdef inline object _new_column_sums(cnp.ndarray x, int typenum):
+    """A parameter gradient (dgamma, dbeta) of x normalized over its last axis: x.shape[-1:]."""
+    return cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x) + cnp.PyArray_NDIM(x) - 1, typenum, 0)
 
 
 def layer_norm_forward_fast(object x, object gamma, object beta, object eps, object axis,
@@ -106,8 +731,9 @@ def layer_norm_forward_fast(object x, object gamma, object beta, object eps, obj
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
     if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
-            or not _is_param(gamma, rows.typenum, rows.n_cols)
-            or not _is_param(beta, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)):
+            or not _is_param(gamma, rows.param_typenum, rows.n_cols)
+            or not _is_param(beta, rows.param_typenum, rows.n_cols)
+            or not _is_fast_out(out, x_array)):
         return None
     # out may be x itself (in place), except when the cache keeps x for the backward.
     if (_overlaps(out, gamma) or _overlaps(out, beta) or _clobbers(out, x)
@@ -116,159 +742,100 @@ def layer_norm_forward_fast(object x, object gamma, object beta, object eps, obj
     y = out if out is not None else _new_like(x_array, rows.typenum)
     mean = rstd = None
     if keep_cache:
-        mean = _new_row_stats(x_array, rows.typenum)
-        rstd = _new_row_stats(x_array, rows.typenum)
-    _run_forward(x_array, gamma, beta, <cnp.ndarray>y, mean, rstd, rows.n_rows, rows.n_cols,
-                 <double>eps, rows.threads)
+        mean = _new_row_stats(x_array, rows.param_typenum)
+        rstd = _new_row_stats(x_array, rows.param_typenum)
+    cdef fastln_rows_call call
+    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
+               cnp.PyArray_NBYTES(x_array), <double>eps)
+    _layer_norm_forward(&call, gamma, beta, cnp.PyArray_DATA(<cnp.ndarray>y), mean, rstd,
+                        rows.storage, rows.threads)
     if keep_cache:
         return y, mean, rstd
     return y
 
 
-cdef inline void _forward_row(const floating *x, const floating *gamma, const floating *beta,
-                              floating *y, floating *mean, floating *rstd, Py_ssize_t row,
-                              Py_ssize_t n_cols, double eps, bint streaming) noexcept nogil:
-    cdef double row_mean, row_rstd
-    if floating is float:
-        fastln_layer_norm_forward_row_f32(x + row * n_cols, gamma, beta, y + row * n_cols,
-                                          n_cols, eps, &row_mean, &row_rstd, streaming)
-    else:
-        fastln_layer_norm_forward_row_f64(x + row * n_cols, gamma, beta, y + row * n_cols,
-                                          n_cols, eps, &row_mean, &row_rstd, streaming)
-    if mean != NULL:
-        mean[row] = <floating>row_mean
-        rstd[row] = <floating>row_rstd
+def rms_norm_forward_fast(object x, object gamma, object eps, object axis, object out,
+                          object num_threads, bint keep_cache):
+    """y, or (y, rstd) with keep_cache; None when the call needs the general path."""
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
+            or not _is_param(gamma, rows.param_typenum, rows.n_cols)
+            or not _is_fast_out(out, x_array)):
+        return None
+    if _overlaps(out, gamma) or _clobbers(out, x) or (keep_cache and _overlaps(out, x)):
+        return None
+    y = out if out is not None else _new_like(x_array, rows.typenum)
+    rstd = _new_row_stats(x_array, rows.param_typenum) if keep_cache else None
+    cdef fastln_rows_call call
+    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
+               cnp.PyArray_NBYTES(x_array), <double>eps)
+    _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(<cnp.ndarray>y), rstd, rows.storage,
+                      rows.threads)
+    if keep_cache:
+        return y, rstd
+    return y
 
 
-cdef void _forward_rows(const floating *x, const floating *gamma, const floating *beta,
-                        floating *y, floating *mean, floating *rstd,
-                        Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
-                        int num_threads) noexcept nogil:
-    cdef Py_ssize_t row
-    cdef bint streaming = n_rows * n_cols * sizeof(floating) >= MIN_BYTES_FOR_STREAMING
-    # Small calls stay out of OpenMP entirely: even a disabled parallel region costs ~0.5 us.
-    if _worth_threads(num_threads, n_rows, n_rows * n_cols):
-        for row in prange(n_rows, schedule='static', num_threads=num_threads):
-            _forward_row(x, gamma, beta, y, mean, rstd, row, n_cols, eps, streaming)
-    else:
-        for row in range(n_rows):
-            _forward_row(x, gamma, beta, y, mean, rstd, row, n_cols, eps, streaming)
+cdef inline bint _is_safe_add_output(object output, object x, object residual, object bias,
+                                     object gamma, object beta):
+    """An add-norm output (out or sum_out, or None) may sit exactly on x or residual (a row is
+    read completely before its s and y are written) but must not otherwise overlap an input."""
+    return not (_clobbers(output, x) or _clobbers(output, residual) or _overlaps(output, bias)
+                or _overlaps(output, gamma) or _overlaps(output, beta))
 
 
-def layer_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y,
-                       object mean, object rstd, double eps, int num_threads):
-    """Forward over the rows of the 2-D array x into y; mean/rstd (1-D, or None) get the stats."""
-    _run_forward(x, gamma, beta, y, mean, rstd, cnp.PyArray_DIM(x, 0), cnp.PyArray_DIM(x, 1),
-                 eps, num_threads)
+def add_norm_forward_fast(bint rms, object x, object residual, object gamma, object beta,
+                          object eps, object bias, object axis, object out, object sum_out,
+                          object num_threads, bint keep_cache):
+    """(y, s), or (y, s, mean, rstd) with keep_cache (mean None for RMSNorm); None when the
+    call needs the general path. beta must be None for RMSNorm."""
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
+            or not _is_kernel_array(residual, rows.typenum)
+            or not _same_shape(<cnp.ndarray>residual, x_array)
+            or not _is_param(gamma, rows.param_typenum, rows.n_cols)
+            or not _is_param(beta, rows.param_typenum, rows.n_cols)
+            or not _is_param(bias, rows.param_typenum, rows.n_cols)
+            or not _is_fast_out(out, x_array) or not _is_fast_out(sum_out, x_array)):
+        return None
+    # out and sum_out may each be x or residual (sum_out=residual updates the residual stream
+    # in place), but not each other: the general path refuses that.
+    if (_overlaps(out, sum_out)
+            or not _is_safe_add_output(out, x, residual, bias, gamma, beta)
+            or not _is_safe_add_output(sum_out, x, residual, bias, gamma, beta)):
+        return None
+    y = out if out is not None else _new_like(x_array, rows.typenum)
+    s = sum_out if sum_out is not None else _new_like(x_array, rows.typenum)
+    mean = rstd = None
+    if keep_cache:
+        rstd = _new_row_stats(x_array, rows.param_typenum)
+        if not rms:
+            mean = _new_row_stats(x_array, rows.param_typenum)
+    cdef fastln_rows_call call
+    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
+               cnp.PyArray_NBYTES(x_array), <double>eps)
+    _add_norm_forward(FASTLN_ADD_RMS_NORM_FORWARD if rms else FASTLN_ADD_LAYER_NORM_FORWARD,
+                      &call, residual, bias, gamma, beta, s, y, mean, rstd, rows.storage,
+                      rows.threads)
+    if keep_cache:
+        return y, s, mean, rstd
+    return y, s
 
 
-cdef void _run_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, object mean,
-                       object rstd, Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
-                       int num_threads):
-    cdef void *x_data = cnp.PyArray_DATA(x)
-    cdef void *y_data = cnp.PyArray_DATA(y)
-    cdef void *gamma_data = _data(gamma)
-    cdef void *beta_data = _data(beta)
-    cdef void *mean_data = _data(mean)
-    cdef void *rstd_data = _data(rstd)
-    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
-        with nogil:
-            _forward_rows(<const float*>x_data, <const float*>gamma_data, <const float*>beta_data,
-                          <float*>y_data, <float*>mean_data, <float*>rstd_data,
-                          n_rows, n_cols, eps, num_threads)
-    else:
-        with nogil:
-            _forward_rows(<const double*>x_data, <const double*>gamma_data,
-                          <const double*>beta_data, <double*>y_data, <double*>mean_data,
-                          <double*>rstd_data, n_rows, n_cols, eps, num_threads)
-
-
-cdef inline void _backward_block(const floating *dy, const floating *x, const floating *gamma,
-                                 const floating *mean, const floating *rstd, floating *dx,
-                                 double *block_dgamma, double *block_dbeta,
-                                 floating *row_dgamma, floating *row_dbeta, Py_ssize_t row_start,
-                                 Py_ssize_t row_end, Py_ssize_t n_cols,
-                                 double eps, bint streaming) noexcept nogil:
-    """Rows [row_start, row_end): dx, and their dgamma/dbeta added to the block's partials.
-
-    Rows go in groups of FASTLN_BACKWARD_GROUP. float32 rows add into float accumulators
-    (row_dgamma/row_dbeta), folded into the double partials every FASTLN_ROWS_PER_FLUSH rows;
-    float64 rows add into the partials directly.
-    """
-    cdef Py_ssize_t row = row_start, count
-    while row < row_end:
-        count = min(<Py_ssize_t>FASTLN_BACKWARD_GROUP, row_end - row)
-        if floating is float:
-            fastln_layer_norm_backward_rows_f32(
-                dy + row * n_cols, x + row * n_cols, gamma, mean + row, rstd + row, eps,
-                dx + row * n_cols, count, n_cols, row_dgamma, row_dbeta, streaming)
-        else:
-            fastln_layer_norm_backward_rows_f64(
-                dy + row * n_cols, x + row * n_cols, gamma, mean + row, rstd + row, eps,
-                dx + row * n_cols, count, n_cols, block_dgamma, block_dbeta, streaming)
-        row += count
-        if floating is float and ((row - row_start) % FASTLN_ROWS_PER_FLUSH == 0
-                                  or row == row_end):
-            fastln_flush_accumulators_f32(row_dgamma, block_dgamma, n_cols)
-            fastln_flush_accumulators_f32(row_dbeta, block_dbeta, n_cols)
-
-
-cdef int _backward_rows(const floating *dy, const floating *x, const floating *gamma,
-                        const floating *mean, const floating *rstd, floating *dx,
-                        floating *dgamma, floating *dbeta,
-                        Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
-                        int num_threads) noexcept nogil:
-    """Returns -1 when the scratch for the dgamma/dbeta partial sums cannot be allocated."""
-    cdef Py_ssize_t n_blocks = _row_blocks(n_rows)
-    cdef Py_ssize_t rows_per_block = (n_rows + n_blocks - 1) // n_blocks
-    cdef Py_ssize_t block
-    # dx much larger than the cache goes out with non-temporal stores: it saves reading every
-    # line of dx before writing it (measured here: 1.8x at 4096x4096 float32, reused dx).
-    cdef bint streaming = n_rows * n_cols * sizeof(floating) >= MIN_BYTES_FOR_STREAMING
-    # One row of double partial sums per block for dgamma, then one per block for dbeta; for
-    # float32, one row of float accumulators per block for each as well.
-    cdef double *partials = <double*>calloc(2 * n_blocks * n_cols, sizeof(double))
-    cdef floating *accumulators = NULL
-    if floating is float:
-        accumulators = <floating*>calloc(2 * n_blocks * n_cols, sizeof(floating))
-    if partials == NULL or (floating is float and accumulators == NULL):
-        free(partials)
-        free(accumulators)
-        return -1
-    if _worth_threads(num_threads, n_blocks, n_rows * n_cols):
-        for block in prange(n_blocks, schedule='static', num_threads=num_threads):
-            _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
-                            partials + (n_blocks + block) * n_cols,
-                            accumulators + block * n_cols,
-                            accumulators + (n_blocks + block) * n_cols, block * rows_per_block,
-                            min((block + 1) * rows_per_block, n_rows), n_cols, eps,
-                            streaming)
-    else:
-        for block in range(n_blocks):
-            _backward_block(dy, x, gamma, mean, rstd, dx, partials + block * n_cols,
-                            partials + (n_blocks + block) * n_cols,
-                            accumulators + block * n_cols,
-                            accumulators + (n_blocks + block) * n_cols, block * rows_per_block,
-                            min((block + 1) * rows_per_block, n_rows), n_cols, eps,
-                            streaming)
-    if floating is float:
-        fastln_sum_block_partials_f32(partials, n_blocks, n_cols, dgamma)
-        fastln_sum_block_partials_f32(partials + n_blocks * n_cols, n_blocks, n_cols, dbeta)
-    else:
-        fastln_sum_block_partials_f64(partials, n_blocks, n_cols, dgamma)
-        fastln_sum_block_partials_f64(partials + n_blocks * n_cols, n_blocks, n_cols, dbeta)
-    free(partials)
-    free(accumulators)
-    return 0
-
-
-def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
-                        cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma,
-                        cnp.ndarray dbeta, double eps, int num_threads):
-    """Backward over the rows of the 2-D arrays dy and x into dx, dgamma and dbeta; eps is the
-    forward's (rows whose cached rstd is Inf are done from x again)."""
-    _run_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, cnp.PyArray_DIM(x, 0),
-                  cnp.PyArray_DIM(x, 1), eps, num_threads)
+cdef inline bint _is_fast_backward(object dy, cnp.ndarray x, _FastRows *rows, object axis,
+                                   object dtype, object eps, object gamma, object out):
+    """The tests both backward recognisers make of dy and of their cache's fields."""
+    # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
+    return (type(axis) is int and axis == rows.ndim - 1
+            and _is_kernel_array(dy, rows.typenum) and _same_shape(<cnp.ndarray>dy, x)
+            and _is_cache_dtype(dtype, x) and _is_fast_eps(eps)
+            and _is_param(gamma, rows.param_typenum, rows.n_cols) and _is_fast_out(out, x))
 
 
 def layer_norm_backward_fast(object dy, object x, object mean, object rstd, object axis,
@@ -282,52 +849,57 @@ def layer_norm_backward_fast(object dy, object x, object mean, object rstd, obje
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
-    if (type(axis) is not int or axis != rows.ndim - 1
-            or not _is_kernel_array(dy, rows.typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
-            or not _is_cache_dtype(dtype, x_array) or not _is_fast_eps(eps)
-            or not _is_param(gamma, rows.typenum, rows.n_cols) or not _is_fast_out(out, x_array)
-            or not _is_row_stats(mean, rows.typenum, x_array)
-            or not _is_row_stats(rstd, rows.typenum, x_array)):
+    if (not _is_fast_backward(dy, x_array, &rows, axis, dtype, eps, gamma, out)
+            or not _is_row_stats(mean, rows.param_typenum, x_array)
+            or not _is_row_stats(rstd, rows.param_typenum, x_array)):
         return None
     # dx may be dy or x itself (in place).
     if (_overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd)
             or _clobbers(out, dy) or _clobbers(out, x)):
         return None
     dx = out if out is not None else _new_like(x_array, rows.typenum)
-    dgamma = _new_column_sums(x_array, rows.typenum)
-    dbeta = _new_column_sums(x_array, rows.typenum)
-    _run_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
-                  <cnp.ndarray>dx, <cnp.ndarray>dgamma, <cnp.ndarray>dbeta, rows.n_rows,
-                  rows.n_cols, <double>eps, rows.threads)
+    dgamma = _new_column_sums(x_array, rows.param_typenum)
+    dbeta = _new_column_sums(x_array, rows.param_typenum)
+    cdef fastln_rows_call call
+    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
+               cnp.PyArray_NBYTES(x_array), <double>eps)
+    _layer_norm_backward(&call, dy, gamma, mean, rstd, dx, dgamma, dbeta, rows.storage,
+                         rows.threads)
     return dx, dgamma, dbeta
 
 
-cdef int _run_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
-                       cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma, cnp.ndarray dbeta,
-                       Py_ssize_t n_rows, Py_ssize_t n_cols, double eps,
-                       int num_threads) except -1:
-    cdef void *dy_data = cnp.PyArray_DATA(dy)
-    cdef void *x_data = cnp.PyArray_DATA(x)
-    cdef void *gamma_data = _data(gamma)
-    cdef void *mean_data = cnp.PyArray_DATA(mean)
-    cdef void *rstd_data = cnp.PyArray_DATA(rstd)
-    cdef void *dx_data = cnp.PyArray_DATA(dx)
-    cdef void *dgamma_data = cnp.PyArray_DATA(dgamma)
-    cdef void *dbeta_data = cnp.PyArray_DATA(dbeta)
-    cdef int status
-    if cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32:
-        with nogil:
-            status = _backward_rows(
-                <const float*>dy_data, <const float*>x_data, <const float*>gamma_data,
-                <const float*>mean_data, <const float*>rstd_data, <float*>dx_data,
-                <float*>dgamma_data, <float*>dbeta_data, n_rows, n_cols, eps, num_threads)
-    else:
-        with nogil:
-            status = _backward_rows(
-                <const double*>dy_data, <const double*>x_data, <const double*>gamma_data,
-                <const double*>mean_data, <const double*>rstd_data, <double*>dx_data,
-                <double*>dgamma_data, <double*>dbeta_data, n_rows, n_cols, eps, num_threads)
-    if status != 0:
-        raise MemoryError("layer_norm_backward: cannot allocate the dgamma/dbeta partial sums")
-    return 0
+def rms_norm_backward_fast(object dy, object x, object rstd, object axis, object dtype,
+                           object eps, object gamma, object out, object num_threads):
+    """(dx, dgamma) for a cache normalized over x's last axis; None for the general path.
+
+    x, rstd, axis, eps and dtype (its _dtype field) come from an RMSNormCache.
+    """
+    cdef _FastRows rows
+    if not _fast_rows(x, num_threads, &rows):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    if (not _is_fast_backward(dy, x_array, &rows, axis, dtype, eps, gamma, out)
+            or not _is_row_stats(rstd, rows.param_typenum, x_array)):
+        return None
+    if (_overlaps(out, gamma) or _overlaps(out, rstd) or _clobbers(out, dy)
+            or _clobbers(out, x)):
+        return None
+    dx = out if out is not None else _new_like(x_array, rows.typenum)
+    dgamma = _new_column_sums(x_array, rows.param_typenum)
+    cdef fastln_rows_call call
+    _rows_call(&call, cnp.PyArray_DATA(x_array), rows.n_rows, rows.n_cols,
+               cnp.PyArray_NBYTES(x_array), <double>eps)
+    _rms_norm_backward(&call, dy, gamma, rstd, dx, dgamma, rows.storage, rows.threads)
+    return dx, dgamma
+
+
+def storage_code(cnp.dtype dtype):
+    """The storage type of a kernel dtype: native float16, bfloat16 (ml_dtypes), float32 or
+    float64, as the Python layer has checked. Meeting bfloat16 lets the recognisers take it."""
+    cdef int code = _storage_of(dtype.num)
+    if code < 0 and dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16":
+        register_bfloat16(dtype.num)
+        code = FASTLN_BFLOAT16
+    if code < 0:
+        raise TypeError(f"fastln has no kernel for dtype {dtype}")
+    return code

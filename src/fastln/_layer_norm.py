@@ -3,7 +3,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fastln import _half_kernels, _kernels
+from fastln import _kernels
 from fastln._caches import LayerNormCache, check_cache
 from fastln._checks import (
     as_array,
@@ -14,8 +14,6 @@ from fastln._checks import (
     check_out_keeps_x,
     check_param,
     compute_dtype,
-    half_kind,
-    is_half,
     normalize_axis,
     protect_from_output,
     rows_and_cols,
@@ -51,11 +49,8 @@ def _forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache):
     if keep_cache:
         mean = np.empty(n_rows, stats_dtype)
         rstd = np.empty(n_rows, stats_dtype)
-    if is_half(dtype):
-        _half_kernels.norm_forward(x_rows, None, None, gamma, beta, None, y_rows, mean, rstd,
-                                   False, eps, half_kind(dtype), num_threads)
-    else:
-        _kernels.layer_norm_forward(x_rows, gamma, beta, y_rows, mean, rstd, eps, num_threads)
+    _kernels.layer_norm_forward(x_rows, gamma, beta, y_rows, mean, rstd, eps,
+                                _kernels.storage_code(dtype), num_threads)
     result = y if out is None else out  # y is a plain view of a subclass's out: return out
     if not keep_cache:
         return result
@@ -222,12 +217,7 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     mean = as_kernel_array(cache.mean, rows.stats_dtype).reshape(rows.dy.shape[0])
     dgamma = np.empty(rows.normalized_shape, rows.stats_dtype)
     dbeta = np.empty(rows.normalized_shape, rows.stats_dtype)
-    if is_half(rows.dtype):
-        _half_kernels.norm_backward(rows.dy, rows.x, rows.gamma, mean, rows.rstd, rows.dx,
-                                    dgamma.reshape(-1), dbeta.reshape(-1), False, cache.eps,
-                                    half_kind(rows.dtype), rows.num_threads)
-    else:
-        _kernels.layer_norm_backward(rows.dy, rows.x, rows.gamma, mean, rows.rstd, rows.dx,
-                                     dgamma.reshape(-1), dbeta.reshape(-1), cache.eps,
-                                     rows.num_threads)
+    _kernels.layer_norm_backward(rows.dy, rows.x, rows.gamma, mean, rows.rstd, rows.dx,
+                                 dgamma.reshape(-1), dbeta.reshape(-1), cache.eps,
+                                 _kernels.storage_code(rows.dtype), rows.num_threads)
     return rows.dx_array, dgamma, dbeta

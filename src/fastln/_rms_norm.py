@@ -1,7 +1,7 @@
 """fastln.rms_norm and its forward/backward pair: checking here, arithmetic in the kernels."""
 import numpy as np
 
-from fastln import _family_kernels, _half_kernels
+from fastln import _kernels
 from fastln._caches import RMSNormCache
 from fastln._checks import (
     as_kernel_array,
@@ -10,8 +10,6 @@ from fastln._checks import (
     check_out,
     check_param,
     compute_dtype,
-    half_kind,
-    is_half,
     normalize_axis,
     protect_from_output,
     rows_and_cols,
@@ -43,11 +41,8 @@ def _forward(x, gamma, eps, axis, out, num_threads, keep_cache):
     gamma = protect_from_output(gamma, y_rows)
 
     rstd = np.empty(n_rows, stats_dtype) if keep_cache else None
-    if is_half(dtype):
-        _half_kernels.norm_forward(x_rows, None, None, gamma, None, None, y_rows, None, rstd,
-                                   True, eps, half_kind(dtype), num_threads)
-    else:
-        _family_kernels.rms_norm_forward(x_rows, gamma, y_rows, rstd, eps, num_threads)
+    _kernels.rms_norm_forward(x_rows, gamma, y_rows, rstd, eps, _kernels.storage_code(dtype),
+                              num_threads)
     result = y if out is None else out  # y is a plain view of a subclass's out: return out
     if not keep_cache:
         return result
@@ -92,7 +87,7 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     >>> fastln.rms_norm(np.array([3.0, 4.0]), eps=0.0).round(4)
     array([0.8485, 1.1314])
     """
-    y = _family_kernels.rms_norm_forward_fast(x, gamma, eps, axis, out, num_threads, False)
+    y = _kernels.rms_norm_forward_fast(x, gamma, eps, axis, out, num_threads, False)
     if y is not None:
         return y
     return _forward(x, gamma, eps, axis, out, num_threads, keep_cache=False)
@@ -118,7 +113,7 @@ def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=
     >>> cache.rstd.round(6)
     array([0.282843])
     """
-    result = _family_kernels.rms_norm_forward_fast(x, gamma, eps, axis, out, num_threads, True)
+    result = _kernels.rms_norm_forward_fast(x, gamma, eps, axis, out, num_threads, True)
     if result is not None:
         y, rstd = result
         return y, RMSNormCache(x, rstd, x.ndim - 1, eps, x.dtype)
@@ -166,18 +161,14 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     # cache._dtype, not the dtype property: on a forged cache (rstd None) that property would
     # raise before the general path could give its error.
     if type(cache) is RMSNormCache:
-        result = _family_kernels.rms_norm_backward_fast(dy, cache.x, cache.rstd, cache.axis,
+        result = _kernels.rms_norm_backward_fast(dy, cache.x, cache.rstd, cache.axis,
                                                         cache._dtype, cache.eps, gamma, out,
                                                         num_threads)
         if result is not None:
             return result
     rows = row_backward_arrays(dy, cache, gamma, out, num_threads, "rms_norm")
     dgamma = np.empty(rows.normalized_shape, rows.stats_dtype)
-    if is_half(rows.dtype):
-        _half_kernels.norm_backward(rows.dy, rows.x, rows.gamma, None, rows.rstd, rows.dx,
-                                    dgamma.reshape(-1), None, True, cache.eps,
-                                    half_kind(rows.dtype), rows.num_threads)
-    else:
-        _family_kernels.rms_norm_backward(rows.dy, rows.x, rows.gamma, rows.rstd, rows.dx,
-                                          dgamma.reshape(-1), cache.eps, rows.num_threads)
+    _kernels.rms_norm_backward(rows.dy, rows.x, rows.gamma, rows.rstd, rows.dx,
+                               dgamma.reshape(-1), cache.eps, _kernels.storage_code(rows.dtype),
+                               rows.num_threads)
     return rows.dx_array, dgamma

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from fastln import _half_kernels, _kernels
+from fastln import _kernels
 from fastln._checks import check_num_threads
 
 _MAX_COUNT = 2**31 - 1  # OpenMP takes a C int
@@ -76,7 +76,7 @@ def set_num_threads(n: int) -> None:
     1
     >>> fastln.set_num_threads(previous)
     """
-    _half_kernels.set_default_num_threads(_check_count(n))
+    _kernels.set_default_num_threads(_check_count(n))
 
 
 def resolve_num_threads(num_threads):

@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = {
     "bench": ("fastln.bench.command",
               "time fastln against NumPy, PyTorch and ONNX Runtime on this machine"),
-    "lines": ("fastln.lines", "normalize samples given as INPUT/NORM lines, one command a line"),
+    "lines": ("fastln.lines", "normalize samples given as INPUT/NORM lines"),
 }
 
 WORKED_EXAMPLE = [10.0, 20.0, 60.0]
@@ -36,7 +36,7 @@ def build_parser():
 
 
 def describe(file=None):
-    """show_config() and the lesson's worked example, computed by this build."""
+    """show_config() and the worked example x = [10, 20, 60], computed by this build."""
     import numpy as np
 
     import fastln

@@ -13,8 +13,10 @@ later) and is only imported when asked for::
   (``weight``, ``bias``), ``isinstance(m, torch.nn.LayerNorm)`` still holds. Only ``forward``
   differs: it runs fastln's kernels through a ``torch.autograd.Function``.
 - **No copies** for CPU tensors that are contiguous float32, float64 or float16: the tensor's
-  memory is viewed as a NumPy array, and fastln writes its output straight into a tensor
-  PyTorch allocated.
+  memory is viewed as a NumPy array, and fastln's output array becomes the result tensor
+  (``torch.from_numpy``, no copy). The modules keep NumPy views of their parameters between
+  calls (renewed when a parameter or its storage changes), so a call costs little more than
+  fastln's own (docs/performance.md has the figures).
   bfloat16 tensors are viewed the same way when ``ml_dtypes`` is installed (else computed via a
   float32 copy). Non-contiguous tensors are made contiguous first (one explicit copy).
   Tensors on other devices (CUDA, MPS, ...) and other dtypes go to PyTorch's own functional
@@ -26,6 +28,10 @@ later) and is only imported when asked for::
 - **Threads**: fastln's own OpenMP threads (``fastln.set_num_threads``, or ``num_threads=`` on
   a module), independent of ``torch.set_num_threads``. Results are bitwise the same for every
   thread count and every batch composition, which PyTorch's CPU kernel does not promise.
+- **torch.func** (``vmap``, ``grad``, ``jacrev``, ``jvp``, ``functional_call`` under them):
+  inside a transform the tensors are PyTorch's wrappers, with no memory NumPy could read, so
+  fastln.torch computes with PyTorch's own ``F.layer_norm`` / ``F.rms_norm`` there: the
+  transforms work and give PyTorch's results (not fastln's bits).
 - Not supported: TorchScript (``torch.jit.script``) and double backward. ``torch.compile``
   works, but does not trace into fastln (its calls run as ordinary Python between graphs).
 - ``torch.nn.TransformerEncoderLayer`` in evaluation mode may take PyTorch's fused "fast path",
@@ -56,6 +62,7 @@ _ShapeLike = Union[int, Sequence[int], torch.Size]
 
 # dtypes whose CPU tensors NumPy can view directly (bfloat16 needs ml_dtypes, see _to_numpy).
 _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16})
+_HANDLED_DTYPES = _NUMPY_DTYPES | {torch.bfloat16}
 
 
 def _bfloat16_numpy_dtype() -> Optional[np.dtype]:
@@ -68,8 +75,7 @@ def _bfloat16_numpy_dtype() -> Optional[np.dtype]:
 
 def _handles(tensor: torch.Tensor) -> bool:
     """Whether fastln computes this tensor (else PyTorch's own implementation does)."""
-    return tensor.device.type == "cpu" and (tensor.dtype in _NUMPY_DTYPES
-                                            or tensor.dtype == torch.bfloat16)
+    return tensor.is_cpu and tensor.dtype in _HANDLED_DTYPES
 
 
 @overload
@@ -101,14 +107,71 @@ def _to_torch(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
 
 
-def _new_output(like: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[np.ndarray]]:
-    """A fresh contiguous CPU tensor of like's shape and dtype, and its NumPy view, for fastln's
-    ``out=`` (outputs then come from PyTorch's allocator, as its own kernels' do); (None, None)
-    for bfloat16 without ml_dtypes, which is computed in float32."""
-    if like.dtype == torch.bfloat16 and _bfloat16_numpy_dtype() is None:
-        return None, None
-    tensor = torch.empty(like.shape, dtype=like.dtype)
-    return tensor, _to_numpy(tensor)
+try:
+    _current_transform_level = torch._C._functorch.maybe_current_level
+except AttributeError:  # pragma: no cover - a torch without torch.func
+    def _current_transform_level() -> Optional[int]:
+        return None
+
+
+def _under_transform() -> bool:
+    """Inside torch.func.vmap / grad / jacrev / jvp: tensors are wrappers without storage."""
+    return _current_transform_level() is not None
+
+
+class _ParameterViews:
+    """NumPy views of a module's weight and bias, kept between calls: converting them costs
+    more than a small call's kernel. Renewed when a parameter is replaced or its storage is
+    (``module.to(...)``, ``param.data = ...``); in-place updates are seen through the view.
+    get() returns None for parameters fastln cannot read (another device or dtype)."""
+
+    __slots__ = ("weight", "bias", "weight_ptr", "bias_ptr", "arrays")
+
+    def __init__(self) -> None:
+        self.weight = self.bias = None
+        self.weight_ptr = self.bias_ptr = None
+        self.arrays: Optional[tuple[Optional[np.ndarray], Optional[np.ndarray]]] = (None, None)
+
+    def get(self, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]
+            ) -> Optional[tuple[Optional[np.ndarray], Optional[np.ndarray]]]:
+        weight_ptr = None if weight is None else weight.data_ptr()
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if (weight_ptr == self.weight_ptr and bias_ptr == self.bias_ptr
+                and weight is self.weight and bias is self.bias):
+            return self.arrays
+        self.weight, self.bias, self.weight_ptr, self.bias_ptr = weight, bias, weight_ptr, bias_ptr
+        readable = all(p is None or _handles(p) for p in (weight, bias))
+        self.arrays = (_to_numpy(weight), _to_numpy(bias)) if readable else None
+        return self.arrays
+
+
+def _module_views(module: torch.nn.Module) -> _ParameterViews:
+    views = module.__dict__.get("_fastln_views")
+    if views is None:
+        views = module.__dict__["_fastln_views"] = _ParameterViews()
+    return views
+
+
+def _trailing_shape_is(input: torch.Tensor, shape: tuple) -> bool:
+    if len(shape) == 1:
+        # Ints, not torch.Size.__eq__, which goes through symbolic-shape helpers (PyTorch 2.13).
+        return input.dim() > 0 and input.shape[-1] == shape[0]
+    return tuple(input.shape[-len(shape):]) == tuple(shape)
+
+
+def _input_array(tensor: torch.Tensor) -> np.ndarray:
+    """The input's NumPy view (the common case without detach or a copy)."""
+    if tensor.dtype != torch.bfloat16 and not tensor.requires_grad and tensor.is_contiguous():
+        return tensor.numpy()
+    return _to_numpy(tensor)
+
+
+def _result(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """fastln's output as a tensor of like's dtype, without a copy when the dtypes agree
+    (fastln returns x's float dtype for every dtype but bfloat16)."""
+    if like.dtype is not torch.bfloat16:
+        return torch.from_numpy(array)
+    return _to_torch(array, like)
 
 
 def _normalized_ndim(input: torch.Tensor, normalized_shape: _ShapeLike) -> int:
@@ -130,35 +193,35 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], n_axes: int, eps: float,
-                num_threads: Optional[int]) -> torch.Tensor:
-        out, out_array = _new_output(input)
-        y, cache = fastln.layer_norm_forward(_to_numpy(input), _to_numpy(weight), _to_numpy(bias),
-                                             eps, axis=input.dim() - n_axes, out=out_array,
-                                             num_threads=num_threads)
+                num_threads: Optional[int], arrays: tuple) -> torch.Tensor:
+        weight_array, bias_array = arrays
+        y, cache = fastln.layer_norm_forward(_to_numpy(input), weight_array, bias_array, eps,
+                                             axis=input.dim() - n_axes, num_threads=num_threads)
         ctx.cache = cache  # refers to input's memory (no copy); mean, rstd: O(rows)
         ctx.num_threads = num_threads
+        ctx.weight_array = weight_array
         ctx.save_for_backward(input, weight, bias)  # so that PyTorch checks in-place changes
-        return out if out is not None else _to_torch(y, input)
+        return _result(y, input)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight, bias = ctx.saved_tensors
         cache = ctx.cache
-        dy = _to_numpy(grad_output.to(input.dtype))
+        dy = _to_numpy(grad_output if grad_output.dtype == input.dtype
+                       else grad_output.to(input.dtype))
         if dy.dtype != cache.dtype:  # bfloat16 computed as float32 (no ml_dtypes)
             dy = dy.astype(cache.dtype)
-        out, out_array = _new_output(input) if ctx.needs_input_grad[0] else (None, None)
-        dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, _to_numpy(weight), out=out_array,
+        dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, ctx.weight_array,
                                                        num_threads=ctx.num_threads)
         grad_input = None
         if ctx.needs_input_grad[0]:
-            grad_input = out if out is not None else _to_torch(dx, input)
+            grad_input = _result(dx, input)
         grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
                        else None)
         grad_bias = (_to_torch(dbeta, bias) if bias is not None and ctx.needs_input_grad[2]
                      else None)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -166,33 +229,33 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor], n_axes: int,
-                eps: float, num_threads: Optional[int]) -> torch.Tensor:
-        out, out_array = _new_output(input)
-        y, cache = fastln.rms_norm_forward(_to_numpy(input), _to_numpy(weight), eps,
-                                           axis=input.dim() - n_axes, out=out_array,
-                                           num_threads=num_threads)
+                eps: float, num_threads: Optional[int], weight_array: Optional[np.ndarray]
+                ) -> torch.Tensor:
+        y, cache = fastln.rms_norm_forward(_to_numpy(input), weight_array, eps,
+                                           axis=input.dim() - n_axes, num_threads=num_threads)
         ctx.cache = cache
         ctx.num_threads = num_threads
+        ctx.weight_array = weight_array
         ctx.save_for_backward(input, weight)
-        return out if out is not None else _to_torch(y, input)
+        return _result(y, input)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight = ctx.saved_tensors
         cache = ctx.cache
-        dy = _to_numpy(grad_output.to(input.dtype))
+        dy = _to_numpy(grad_output if grad_output.dtype == input.dtype
+                       else grad_output.to(input.dtype))
         if dy.dtype != cache.dtype:
             dy = dy.astype(cache.dtype)
-        out, out_array = _new_output(input) if ctx.needs_input_grad[0] else (None, None)
-        dx, dgamma = fastln.rms_norm_backward(dy, cache, _to_numpy(weight), out=out_array,
+        dx, dgamma = fastln.rms_norm_backward(dy, cache, ctx.weight_array,
                                               num_threads=ctx.num_threads)
         grad_input = None
         if ctx.needs_input_grad[0]:
-            grad_input = out if out is not None else _to_torch(dx, input)
+            grad_input = _result(dx, input)
         grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
                        else None)
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 def layer_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
@@ -229,15 +292,23 @@ def layer_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
     >>> fastln.torch.layer_norm(x, (3,))
     tensor([[-0.9258, -0.4629,  1.3887]])
     """
-    if not (_handles(input) and all(t is None or _handles(t) for t in (weight, bias))):
+    if (_under_transform() or not _handles(input)
+            or not all(t is None or _handles(t) for t in (weight, bias))):
         return F.layer_norm(input, _shape_list(normalized_shape), weight, bias, eps)
     n_axes = _normalized_ndim(input, normalized_shape)
+    return _layer_norm(input, n_axes, weight, bias, (_to_numpy(weight), _to_numpy(bias)), eps,
+                       num_threads)
+
+
+def _layer_norm(input: torch.Tensor, n_axes: int, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], arrays: tuple, eps: float,
+                num_threads: Optional[int]) -> torch.Tensor:
+    """fastln's layer_norm of a checked CPU input; arrays are weight's and bias's views."""
     if not _needs_grad(input, weight, bias):
-        out, out_array = _new_output(input)
-        y = fastln.layer_norm(_to_numpy(input), _to_numpy(weight), _to_numpy(bias), eps,
-                              axis=input.dim() - n_axes, out=out_array, num_threads=num_threads)
-        return out if out is not None else _to_torch(y, input)
-    return _LayerNormFunction.apply(input, weight, bias, n_axes, eps, num_threads)
+        y = fastln.layer_norm(_input_array(input), arrays[0], arrays[1], eps,
+                              axis=input.dim() - n_axes, num_threads=num_threads)
+        return _result(y, input)
+    return _LayerNormFunction.apply(input, weight, bias, n_axes, eps, num_threads, arrays)
 
 
 def rms_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
@@ -260,15 +331,21 @@ def rms_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
     """
     if eps is None:
         eps = torch.finfo(input.dtype).eps
-    if not (_handles(input) and (weight is None or _handles(weight))):
+    if _under_transform() or not (_handles(input) and (weight is None or _handles(weight))):
         return F.rms_norm(input, _shape_list(normalized_shape), weight, eps)
     n_axes = _normalized_ndim(input, normalized_shape)
+    return _rms_norm(input, n_axes, weight, _to_numpy(weight), eps, num_threads)
+
+
+def _rms_norm(input: torch.Tensor, n_axes: int, weight: Optional[torch.Tensor],
+              weight_array: Optional[np.ndarray], eps: float,
+              num_threads: Optional[int]) -> torch.Tensor:
+    """fastln's rms_norm of a checked CPU input; weight_array is weight's view."""
     if not _needs_grad(input, weight):
-        out, out_array = _new_output(input)
-        y = fastln.rms_norm(_to_numpy(input), _to_numpy(weight), eps,
-                            axis=input.dim() - n_axes, out=out_array, num_threads=num_threads)
-        return out if out is not None else _to_torch(y, input)
-    return _RMSNormFunction.apply(input, weight, n_axes, eps, num_threads)
+        y = fastln.rms_norm(_input_array(input), weight_array, eps, axis=input.dim() - n_axes,
+                            num_threads=num_threads)
+        return _result(y, input)
+    return _RMSNormFunction.apply(input, weight, n_axes, eps, num_threads, weight_array)
 
 
 def _shape_list(normalized_shape: _ShapeLike) -> list[int]:
@@ -306,8 +383,32 @@ class LayerNorm(torch.nn.LayerNorm):
         self.num_threads = num_threads
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps,
-                          num_threads=self.num_threads)
+        parameters, shape = self._parameters, self.normalized_shape
+        # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
+        weight, bias = parameters.get("weight"), parameters.get("bias")
+        if not torch.is_grad_enabled() and input.dtype in _NUMPY_DTYPES:
+            # Inference on a float16/32/64 tensor, in as few steps as possible (each costs
+            # against a 1-row call): numpy() itself refuses what fastln cannot read here (other
+            # devices, torch.func's wrappers), which then takes the general path below.
+            try:
+                arrays, x = _module_views(self).get(weight, bias), input.numpy()
+            except (RuntimeError, TypeError):
+                arrays = None
+            if arrays is not None and _trailing_shape_is(input, shape):
+                return torch.from_numpy(fastln.layer_norm(
+                    x, arrays[0], arrays[1], self.eps, axis=input.dim() - len(shape),
+                    num_threads=self.num_threads))
+        if (_current_transform_level() is None and _handles(input)
+                and _trailing_shape_is(input, shape)):
+            arrays = _module_views(self).get(weight, bias)
+            if arrays is not None:
+                return _layer_norm(input, len(shape), weight, bias, arrays, self.eps,
+                                   self.num_threads)
+        return layer_norm(input, shape, weight, bias, self.eps, num_threads=self.num_threads)
+
+    def __getstate__(self) -> dict:
+        # The NumPy views are a cache of this process: not pickled, not deep-copied.
+        return {k: v for k, v in self.__dict__.items() if k != "_fastln_views"}
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -339,8 +440,28 @@ class RMSNorm(torch.nn.RMSNorm):
         self.num_threads = num_threads
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps,
-                        num_threads=self.num_threads)
+        weight, shape = self._parameters.get("weight"), self.normalized_shape
+        eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
+        if not torch.is_grad_enabled() and input.dtype in _NUMPY_DTYPES:
+            # Inference in as few steps as possible, as in LayerNorm.forward.
+            try:
+                arrays, x = _module_views(self).get(weight, None), input.numpy()
+            except (RuntimeError, TypeError):
+                arrays = None
+            if arrays is not None and _trailing_shape_is(input, shape):
+                return torch.from_numpy(fastln.rms_norm(
+                    x, arrays[0], eps, axis=input.dim() - len(shape),
+                    num_threads=self.num_threads))
+        if (_current_transform_level() is None and _handles(input)
+                and _trailing_shape_is(input, shape)):
+            arrays = _module_views(self).get(weight, None)
+            if arrays is not None:
+                return _rms_norm(input, len(shape), weight, arrays[0], eps, self.num_threads)
+        return rms_norm(input, shape, weight, eps, num_threads=self.num_threads)
+
+    def __getstate__(self) -> dict:
+        # The NumPy views are a cache of this process: not pickled, not deep-copied.
+        return {k: v for k, v in self.__dict__.items() if k != "_fastln_views"}
 
 
 _SWAPS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm}
@@ -407,4 +528,5 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         if original is not None:
             module.__class__ = original
             module.__dict__.pop("num_threads", None)
+            module.__dict__.pop("_fastln_views", None)
     return model

@@ -1,8 +1,8 @@
 """This machine's memory bandwidth, measured with fastln's own streaming copy.
 
 LayerNorm reads each element once and writes it once, so the best it can do on data larger than
-the caches is the speed of a copy. The copy (include/fastln/copy.h, threaded in
-fastln._bandwidth) runs over a source and a destination each twice the last-level cache, so that
+the caches is the speed of a copy. The copy (_copy.h beside this file, threaded in
+fastln.bench._bandwidth) runs over a source and a destination each twice the last-level cache, so that
 neither can be served from cache, with the same thread counts as the benchmark.
 
 Bandwidth is counted as the bytes read plus the bytes written per second (2 x buffer / time), the
@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from fastln import _bandwidth
+from fastln.bench import _bandwidth
+from fastln.bench.machine import usable_cpus
 
 MIB = 1 << 20
 MIN_BUFFER_BYTES = 128 * MIB      # per array
@@ -52,14 +53,19 @@ def measure_copy_bandwidth(thread_counts, buffer_bytes, repeats=5, nontemporal=N
     # reads from cache and would report an impossible bandwidth.
     source.fill(1.0)
     chunk_elements = CHUNK_BYTES // 8
+    n_chunks = -(-n_elements // chunk_elements)
     results = []
     try:
         for threads in thread_counts:
+            # Never more threads than CPUs or chunks: a team of --threads 100000 would only
+            # exhaust the process, and built without OpenMP the copy runs on one thread.
+            threads_used = (max(1, min(threads, usable_cpus(), n_chunks))
+                            if _bandwidth.openmp_enabled() else 1)
             samples = {kind: [] for kind in store_kinds}
             for repeat in range(repeats + 1):  # the first round warms up (and faults in pages)
                 for kind in store_kinds:
                     start = time.perf_counter()
-                    _bandwidth.stream_copy(source, destination, chunk_elements, threads,
+                    _bandwidth.stream_copy(source, destination, chunk_elements, threads_used,
                                            kind == "nontemporal")
                     elapsed = time.perf_counter() - start
                     if repeat > 0:
@@ -68,8 +74,7 @@ def measure_copy_bandwidth(thread_counts, buffer_bytes, repeats=5, nontemporal=N
                 traffic = 2 * source.nbytes
                 results.append({
                     "threads": threads,
-                    # Built without OpenMP, the copy runs on one thread whatever was asked.
-                    "threads_used": threads if _bandwidth.openmp_enabled() else 1,
+                    "threads_used": threads_used,
                     "stores": kind,
                     "bytes_per_second": traffic / float(np.median(samples[kind])),
                     "best_bytes_per_second": traffic / min(samples[kind]),

@@ -7,7 +7,7 @@ optional library (matplotlib).
 import json
 
 COLUMNS = ("op", "shape", "dtype", "threads", "implementation", "time", "IQR", "GB/s",
-           "% of copy", "fastln speed-up", "output")
+           "% of copy", "fastln speed-up", "output", "flag")
 # Columns that are printed once per case, not on every implementation's row.
 CASE_COLUMNS = COLUMNS[:4]
 RIGHT_ALIGNED = {"threads", "time", "IQR", "GB/s", "% of copy", "fastln speed-up"}
@@ -31,6 +31,9 @@ NOTES = (
     "output: new = allocates its output on every call (a large fresh array also costs its "
     "page faults, often as much as the LayerNorm: compare --out-buffer); reused = writes into a "
     "preallocated output (--out-buffer); new (no out=) = the library has no way to reuse one.",
+    "flag: the measurement stayed suspect after being taken again (see 'flagged' below): "
+    "spread = its rounds disagree, threads = slower with more threads than with fewer. Other "
+    "programs on the machine are the usual cause; run again when it is quiet.",
 )
 
 
@@ -78,6 +81,7 @@ def table_rows(report):
                 "fastln speed-up": ("-" if record["implementation"] == "fastln"
                                     else f"{record['fastln_speedup']:.2f}x"),
                 "output": record["output"],
+                "flag": _flag(record.get("anomaly")),
             })
         else:
             cells.update({"time": "not timed", "output": record["status"].split(":")[0]})
@@ -86,6 +90,12 @@ def table_rows(report):
                 cells[column] = ""
         rows.append([cells.get(column, "") for column in COLUMNS])
     return rows
+
+
+def _flag(anomaly):
+    if not anomaly:
+        return ""
+    return "threads" if "threads" in anomaly else "spread"
 
 
 def _copy_line(report):
@@ -136,10 +146,11 @@ def header_lines(report):
 
 
 def wait_policy(report):
-    """How idle worker threads waited: the OpenMP variables set, ONNX Runtime's spinning."""
+    """How idle worker threads waited: the OpenMP variables set (or OpenMP's default), ONNX
+    Runtime's spinning."""
     environment = report["machine"]["thread_environment"]
     parts = [f"{name}={environment[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-             if name in environment]
+             if name in environment] or ["OpenMP's default wait policy"]
     onnxruntime = report["settings"].get("onnxruntime_session_config")
     if onnxruntime:
         if onnxruntime.get("session.intra_op.allow_spinning") == "0":
@@ -156,6 +167,49 @@ def problem_lines(report):
              for record in report["results"] if record["status"] != "ok"]
     lines += [f"skipped {entry['op']} {_shape(entry['shape'])} {entry['dtype']}: "
               f"{entry['reason']}" for entry in report["skipped"]]
+    return lines
+
+
+def flagged_lines(report):
+    return [f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
+            f"{record['dtype']} threads={record['threads']}: {record['anomaly']} (measured "
+            f"{record['remeasured'] + 1} times)"
+            for record in report["results"] if record.get("anomaly")]
+
+
+def _speedup(value):
+    return f"{value:.2f}x"
+
+
+def summary_rows(report):
+    """(header, rows) of the closing summary: per op and dtype, fastln's median and minimum
+    speed-up against each peer implementation."""
+    peers = list(dict.fromkeys(entry["implementation"] for entry in report.get("summary", [])))
+    cases = {}
+    for entry in report.get("summary", []):
+        cell = "-"
+        if entry["cases"]:
+            cell = (f"{_speedup(entry['median_speedup'])} (min {_speedup(entry['min_speedup'])} "
+                    f"at {_shape(entry['min_case']['shape'])}, {entry['min_case']['threads']}T)")
+        cases.setdefault((entry["op"], entry["dtype"]), {})[entry["implementation"]] = cell
+    rows = [[op, dtype] + [cells.get(peer, "") for peer in peers]
+            for (op, dtype), cells in cases.items()]
+    return ["op", "dtype"] + [f"vs {peer}" for peer in peers], rows
+
+
+def summary_lines(report):
+    """The closing summary, as text lines (nothing when no peer was measured)."""
+    header, rows = summary_rows(report)
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    left_out = sum(entry["flagged_cases_left_out"] for entry in report["summary"])
+    lines = [f"summary: fastln's speed-up (peer time / fastln time, above 1: fastln faster), "
+             f"median over shapes and thread counts (minimum, at that shape and thread count), "
+             f"on {report['machine']['cpu_model'] or 'an unknown CPU'}"
+             + (f"; {left_out} flagged measurement(s) left out" if left_out else "")]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+              for row in [header] + rows]
     return lines
 
 
@@ -178,6 +232,12 @@ def format_table(report):
     problems = problem_lines(report)
     if problems:
         out += ["", "not measured:"] + [f"  {problem}" for problem in problems]
+    flagged = flagged_lines(report)
+    if flagged:
+        out += ["", "flagged:"] + [f"  {line}" for line in flagged]
+    summary = summary_lines(report)
+    if summary:
+        out += [""] + summary
     return "\n".join(out) + "\n"
 
 
@@ -193,6 +253,16 @@ def format_markdown(report):
     problems = problem_lines(report)
     if problems:
         out += ["", "Not measured:", ""] + [f"- {problem}" for problem in problems]
+    flagged = flagged_lines(report)
+    if flagged:
+        out += ["", "Flagged:", ""] + [f"- {line}" for line in flagged]
+    header, rows = summary_rows(report)
+    if rows:
+        # A list, not a second table: the results table stays the only one in the file.
+        out += ["", "Summary: " + summary_lines(report)[0].split(": ", 1)[1], ""]
+        out += [f"- {row[0]} {row[1]}: " + "; ".join(f"{name} {cell}" for name, cell
+                                                    in zip(header[2:], row[2:]) if cell)
+                for row in rows]
     return "\n".join(out) + "\n"
 
 
@@ -214,49 +284,81 @@ def write_markdown(report, path):
         f.write(format_markdown(report))
 
 
+def _records(report, op, dtype, threads):
+    return [record for record in report["results"]
+            if record["op"] == op and record["dtype"] == dtype and record["threads"] == threads
+            and record["status"] == "ok"]
+
+
+def _plot_lines(ax, records, shapes, value):
+    """One line per implementation of value(record) by shape."""
+    for name in dict.fromkeys(record["implementation"] for record in records):
+        points = [(shapes.index(_shape(record["shape"])), value(record))
+                  for record in records if record["implementation"] == name]
+        points = [(x, y) for x, y in points if y is not None]
+        if points:
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
+                    color=IMPLEMENTATION_COLORS.get(name),
+                    linewidth=2 if name == "fastln" else 1)
+
+
 def write_plot(report, path):
-    """Bandwidth by shape for every implementation, one panel per (op, dtype, threads), with
-    the copy bandwidth as horizontal lines. Needs matplotlib (the `bench` extra)."""
+    """Per (op, dtype) a row of panels, for each thread count: fastln's speed-up against each
+    peer by shape (peer time / fastln time, 1 = parity, above it fastln is faster), then every
+    implementation's effective bandwidth with the copy bandwidth as horizontal lines. Needs
+    matplotlib (the `bench` extra)."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     settings = report["settings"]
     shapes = [_shape(shape) for shape in settings["shapes"]]
-    panels = [(op, dtype, threads) for op in settings["ops"] for dtype in settings["dtypes"]
-              for threads in settings["threads"]]
-    n_columns = len(settings["dtypes"]) * len(settings["threads"])
-    n_rows = len(settings["ops"])
-    figure = Figure(figsize=(4.2 * n_columns, 3.6 * n_rows + 0.8), layout="constrained")
-    axes = figure.subplots(n_rows, n_columns, squeeze=False, sharey=True)
-    for index, (op, dtype, threads) in enumerate(panels):
-        ax = axes.flat[index]
-        records = [record for record in report["results"]
-                   if record["op"] == op and record["dtype"] == dtype
-                   and record["threads"] == threads and record["status"] == "ok"]
-        for name in dict.fromkeys(record["implementation"] for record in records):
-            points = [(shapes.index(_shape(record["shape"])),
-                       record["bandwidth_bytes_per_second"] / 1e9)
-                      for record in records if record["implementation"] == name]
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name,
-                    color=IMPLEMENTATION_COLORS.get(name), linewidth=2 if name == "fastln" else 1)
-        for result in report["copy_bandwidth"]:
-            if result["threads"] == threads:
-                ordinary = result["stores"] == "ordinary"
-                ax.axhline(result["bytes_per_second"] / 1e9, color="black",
-                           linestyle="--" if ordinary else ":", linewidth=1,
-                           label="copy" if ordinary else "copy, non-temporal stores")
-        ax.set_title(f"{op}, {dtype}, {threads} thread{'s' if threads > 1 else ''}")
-        ax.set_xticks(range(len(shapes)), shapes, rotation=45, ha="right", fontsize=8)
-        ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-        if index % n_columns == 0:
-            ax.set_ylabel("effective bandwidth (GB/s)")
-    legend = {}  # label -> handle, over every panel (onnxruntime has no backward panel line)
+    measured = {(record["op"], record["dtype"]) for record in report["results"]}
+    rows = [(op, dtype) for op in settings["ops"] for dtype in settings["dtypes"]
+            if (op, dtype) in measured]
+    n_columns = 2 * len(settings["threads"])
+    # At least 11 inches wide, so that the title and the legend fit a single thread count.
+    figure = Figure(figsize=(max(4.0 * n_columns, 11.0), 3.4 * max(len(rows), 1) + 1.2),
+                    layout="constrained")
+    axes = figure.subplots(max(len(rows), 1), n_columns, squeeze=False)
+    times = FuncFormatter(lambda value, _: f"{value:g}x")
+    for row, (op, dtype) in enumerate(rows):
+        for column, threads in enumerate(settings["threads"]):
+            records = _records(report, op, dtype, threads)
+            label = f"{op}, {dtype}, {threads} thread{'s' if threads > 1 else ''}"
+            speedup, bandwidth = axes[row][2 * column], axes[row][2 * column + 1]
+            _plot_lines(speedup, [r for r in records if r["implementation"] != "fastln"],
+                        shapes, lambda record: record["fastln_speedup"])
+            speedup.axhline(1.0, color="tab:red", linewidth=2, label="parity (fastln)")
+            speedup.set_yscale("log")
+            speedup.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+            speedup.yaxis.set_major_formatter(times)
+            speedup.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: ""))
+            speedup.set_title(f"fastln speed-up: {label}", fontsize=9)
+            _plot_lines(bandwidth, records, shapes,
+                        lambda record: record["bandwidth_bytes_per_second"] / 1e9)
+            for result in report["copy_bandwidth"]:
+                if result["threads"] == threads:
+                    ordinary = result["stores"] == "ordinary"
+                    bandwidth.axhline(result["bytes_per_second"] / 1e9, color="black",
+                                      linestyle="--" if ordinary else ":", linewidth=1,
+                                      label="copy" if ordinary else "copy, non-temporal stores")
+            bandwidth.set_yscale("log")
+            bandwidth.set_title(f"GB/s: {label}", fontsize=9)
+            for ax in (speedup, bandwidth):
+                ax.set_xticks(range(len(shapes)), shapes, rotation=45, ha="right", fontsize=8)
+                ax.grid(True, which="both", alpha=0.3)
+            if column == 0:
+                speedup.set_ylabel("peer time / fastln time")
+                bandwidth.set_ylabel("effective GB/s")
+    legend = {}  # label -> handle, over every panel (onnxruntime has no backward line)
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    figure.legend(list(legend.values()), list(legend), loc="outside lower center",
-                  ncols=min(len(legend), 7))
+    if legend:
+        figure.legend(list(legend.values()), list(legend), loc="outside lower center",
+                      ncols=min(len(legend), 2 * n_columns + 1))
     described = report["machine"]
-    figure.suptitle(f"fastln bench: layer_norm on {described['cpu_model']} "
-                    f"({described['usable_cpus']} usable CPUs)")
-    figure.savefig(path, dpi=110)
+    figure.suptitle(f"fastln bench on {described['cpu_model']} "
+                    f"({described['usable_cpus']} usable CPUs)\nspeed-up against each peer "
+                    f"(peer time / fastln time, 1x = parity) and bandwidth, by shape")
+    figure.savefig(path, dpi=100)

@@ -7,14 +7,18 @@ implementation (A B C, then B C A, ...): a burst of noise on a shared machine hi
 implementation of the round instead of one of them, and the per-round ratios to fastln pair
 samples taken moments apart.
 
-Before each sample the implementation runs untimed for a millisecond (its warm-up). Thread pools
-spin for a while after a call and then sleep (the bench bounds that spin, see
-fastln.bench.command): the warm-up outlasts the spin of the previous implementation's workers,
-so they no longer compete for the cores, and wakes this implementation's own, so that the sample
-times calls back to back, as a program calling it in a loop would see them.
+Thread pools keep their idle workers spinning for a while after a call, then put them to sleep:
+libgomp's (fastln's, and the copy PyTorch ships) for milliseconds with its default policy
+(docs/performance.md has the figure). Before each sample the runner waits until no other thread of this
+process is running (wait_for_idle_threads), so that the previous implementation's spinning
+workers do not take the cores this one needs; then the implementation runs untimed for a
+millisecond and at least three calls (its warm-up), which wakes its own workers, so that the
+sample times calls back to back, as a program calling it in a loop would see them.
 """
 import gc
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -26,8 +30,8 @@ import numpy as np
 # pages, one page fault per 4 KiB when first written, and unmaps them on free; once it has freed
 # such a block it raises the threshold to that size (up to 32 MiB), and blocks below it come from
 # its heap, already mapped. A long-running program is in that second state; a fresh one is not,
-# and there every NumPy temporary of 128 KiB or more pays its page faults on every call (the
-# naive backward at 64x768 float32: 375 us instead of 179 us on the development machine).
+# and there every NumPy temporary of 128 KiB or more pays its page faults on every call
+# (docs/performance.md, "Measuring NumPy's baselines in a settled process").
 SETTLE_ALLOCATOR_BYTES = 30 << 20
 
 
@@ -44,16 +48,14 @@ class Schedule:
     A case gets as many rounds as fit in `case_budget_seconds`, between `min_rounds` and
     `max_rounds`; a case whose round takes longer than `slow_round_seconds` (the largest arrays,
     where NumPy alone takes a second) makes do with `slow_min_rounds`, so that the default run
-    stays near two minutes. `fixed_rounds` (--repeat) overrides all of it.
+    stays at a few minutes. `fixed_rounds` (--repeat) overrides all of it.
 
     Each sample follows `warmup_seconds` of untimed calls, and at least `warmup_min_calls` of
-    them, except for calls longer than `warmup_max_call_seconds`: waking a pool or sharing a core
-    with another pool's last half-millisecond of spinning is then under 2% of one call, and extra
-    calls would make the largest cases last twice as long. The calls, not only the time, matter
-    where the implementation before left the cache full of its own dirty data: after NumPy's
-    naive backward at 4096x768 float32, fastln's next calls took 3.7, 3.4, 2.8, 2.3, then 2.0 ms
-    (the write-backs of NumPy's temporaries), and one 1 ms warm-up call left most of that in the
-    sample of whichever implementation followed NumPy.
+    them, except for calls longer than `warmup_max_call_seconds`: waking a pool is then a small
+    part of one call, and extra calls would make the largest cases last twice as long. The
+    calls, not only the time, matter where the implementation before left the cache full of its
+    own dirty data, whose write-backs would land in the next sample (docs/performance.md,
+    "Measuring each implementation in its own steady state").
     """
 
     min_sample_seconds: float = 0.002
@@ -118,14 +120,62 @@ def warm_up(call, seconds, min_calls=1):
         call()
 
 
+# How long to wait at most for other threads to stop running (a thread of the user's that never
+# sleeps must not stall the run), and the pause between two looks. Without /proc (not Linux),
+# the wait is a fixed pause longer than libgomp's default spin on the development machine.
+IDLE_TIMEOUT_SECONDS = 0.05
+IDLE_POLL_SECONDS = 0.0001
+IDLE_FALLBACK_SECONDS = 0.01
+
+
+def _other_threads_running():
+    """How many threads of this process other than the calling one are running (state R in
+    /proc/self/task/*/stat: a spinning worker is running, a sleeping one is not); None where
+    /proc cannot tell."""
+    own = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    running = 0
+    for tid in tids:
+        if tid == str(own):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        running += stat[stat.rindex(")") + 2] == "R"
+    return running
+
+
+def wait_for_idle_threads(timeout=IDLE_TIMEOUT_SECONDS):
+    """Sleep until no other thread of this process is running, at most `timeout` seconds;
+    returns (seconds waited, whether they all went idle)."""
+    start = time.perf_counter()
+    running = _other_threads_running()
+    if running is None:
+        time.sleep(IDLE_FALLBACK_SECONDS)
+        return IDLE_FALLBACK_SECONDS, True
+    while running:
+        if time.perf_counter() - start > timeout:
+            return time.perf_counter() - start, False
+        time.sleep(IDLE_POLL_SECONDS)
+        running = _other_threads_running()
+    return time.perf_counter() - start, True
+
+
 def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, warmup=None,
-                        warmup_min_calls=1):
+                        warmup_min_calls=1, wait_for_idle=True, idle_stats=None):
     """samples[i][r]: seconds per call of calls[i] in round r; round r starts at call r % n.
 
-    before_sample[i], if not None, runs untimed before each sample of calls[i], and then calls[i]
-    itself for warmup[i] seconds and at least warmup_min_calls times (see warm_up). The garbage
-    collector is paused while timing, as timeit does: a collection would land on whichever
-    implementation happened to be running.
+    Before each sample of calls[i]: with wait_for_idle, a wait until the other threads of the
+    process stopped running (wait_for_idle_threads); before_sample[i], if not None; then calls[i]
+    itself, untimed, for warmup[i] seconds and at least warmup_min_calls times (see warm_up).
+    idle_stats, a dict, gets the seconds spent waiting ("idle_wait_seconds") and the waits that
+    timed out ("idle_wait_timeouts") added to it. The garbage collector is paused while timing,
+    as timeit does: a collection would land on whichever implementation happened to be running.
     """
     n = len(calls)
     before_sample = before_sample or [None] * n
@@ -137,6 +187,13 @@ def interleaved_samples(calls, calls_per_sample, rounds, before_sample=None, war
         for round_index in range(rounds):
             for offset in range(n):
                 i = (round_index + offset) % n
+                if wait_for_idle:
+                    waited, idle = wait_for_idle_threads()
+                    if idle_stats is not None:
+                        idle_stats["idle_wait_seconds"] = (
+                            idle_stats.get("idle_wait_seconds", 0.0) + waited)
+                        idle_stats["idle_wait_timeouts"] = (
+                            idle_stats.get("idle_wait_timeouts", 0) + (not idle))
                 if before_sample[i] is not None:
                     before_sample[i]()
                 warm_up(calls[i], warmup[i], warmup_min_calls)

@@ -1,4 +1,5 @@
 /* Streaming copy of one contiguous chunk: the yardstick for "this machine's memory bandwidth".
+ * Used only by `fastln bench` (fastln.bench._bandwidth), not by the kernels.
  *
  * `fastln bench` copies a buffer much larger than the last-level cache, chunk by chunk on every
  * thread, and reports LayerNorm's effective bandwidth as a fraction of this copy's. A copy is the
@@ -12,8 +13,8 @@
  *     FASTLN_HAVE_NONTEMPORAL_COPY is 0 where neither exists; the function then copies plainly.
  *
  * Plain C: no Python, no allocation, no globals. */
-#ifndef FASTLN_COPY_H
-#define FASTLN_COPY_H
+#ifndef FASTLN_BENCH_COPY_H
+#define FASTLN_BENCH_COPY_H
 
 #include <stdint.h>
 
@@ -86,7 +87,16 @@ static inline void fastln_copy_chunk_nontemporal(double *restrict destination,
 }
 #endif
 
-/* For Cython: a function-like name for the compile-time flag. */
+/* For Cython: function-like names for the compile-time flags. */
 static inline int fastln_nontemporal_copy_available(void) { return FASTLN_HAVE_NONTEMPORAL_COPY; }
 
-#endif /* FASTLN_COPY_H */
+static inline int fastln_copy_openmp_enabled(void)
+{
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#endif /* FASTLN_BENCH_COPY_H */

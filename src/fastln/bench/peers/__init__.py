@@ -1,7 +1,11 @@
-"""The optional peers fastln is compared with, found and imported only when asked for.
+"""The peers fastln is compared with: one module each (numpy, torch, onnxruntime), and which of
+them are installed.
 
-Nothing here imports torch or onnxruntime at module import time: ``fastln bench`` must start and
-run with NumPy alone, and a peer that is not selected is never loaded.
+Each peer module has an IMPLEMENTATIONS dict, {--ops name: (Implementation, ...)}, that
+fastln.bench.ops joins to its table of operations; an implementation does all of its peer's
+setup in its prepare function. Nothing here or in the peer modules imports torch, onnx or
+onnxruntime at module import time: ``fastln bench`` must start and run with NumPy alone, and a
+peer that is not selected is never loaded.
 """
 import importlib
 import importlib.util

@@ -1,0 +1,897 @@
+/* Backward kernels (LayerNorm, RMSNorm, BatchNorm) for one storage type (fastln/storage.h). No
+ * include guard on purpose.
+ *
+ * A row's backward is two passes: a first pass for its sums in double (slot order of
+ * fastln/simd.h), then an elementwise write pass for dx and the dgamma/dbeta accumulators. The
+ * accumulators are FASTLN_P: float for the float32-compute types (the caller folds them into
+ * double partial sums every FASTLN_ROWS_PER_FLUSH rows), double for float64. dx may be dy
+ * itself (in place): each element is read before it is written. */
+
+/* ---- LayerNorm: the first pass ----------------------------------------------------------- */
+
+/* The first pass's sums for one block's elements of this pass's slots, from the row (dy, x) or,
+ * when dy is NULL, from `padded` (the last block's dy, x and gamma, FASTLN_SLOTS each): dx_hat =
+ * dy * gamma and d = x - mean are formed in the compute type - for the float32-compute types one
+ * float rounding each, relative to the value itself (no cancellation: mean is the cache's, and
+ * the sums re-derive its correction) - then summed in double. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_add_block)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *padded,
+    int64_t at, double mean, FASTLN_VD sum_dxhat[FASTLN_PASS_VECTORS],
+    FASTLN_VD sum_dxhat_d[FASTLN_PASS_VECTORS], FASTLN_VD sum_d[FASTLN_PASS_VECTORS])
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_PASS_VECTORS / 2; j++) {
+        const int64_t e = at + j * FASTLN_VF_LANES;
+        const FASTLN_P *scale = gamma ? (dy ? gamma + e : padded + 2 * FASTLN_SLOTS + e) : NULL;
+        FASTLN_VD dx_hat[2], d[2];
+#if FASTLN_COMPUTE_F32
+        FASTLN_VF dx_hat_v, x_v;
+        if (dy) {
+            dx_hat_v = FASTLN_NAME(load_c)(dy + e);
+            x_v = FASTLN_NAME(load_c)(x + e);
+        } else {
+            dx_hat_v = FASTLN_NAME(load_p)(padded + e);
+            x_v = FASTLN_NAME(load_p)(padded + FASTLN_SLOTS + e);
+        }
+        if (scale) dx_hat_v *= FASTLN_NAME(load_p)(scale);
+        const FASTLN_VF d_v = x_v - (float)mean;
+        dx_hat[0] = FASTLN_ISA(widen_low)(dx_hat_v);
+        dx_hat[1] = FASTLN_ISA(widen_high)(dx_hat_v);
+        d[0] = FASTLN_ISA(widen_low)(d_v);
+        d[1] = FASTLN_ISA(widen_high)(d_v);
+#else
+        if (dy) {
+            FASTLN_NAME(load_wide)(dy + e, &dx_hat[0], &dx_hat[1]);
+            FASTLN_NAME(load_wide)(x + e, &d[0], &d[1]);
+        } else {
+            FASTLN_NAME(load_wide_p)(padded + e, &dx_hat[0], &dx_hat[1]);
+            FASTLN_NAME(load_wide_p)(padded + FASTLN_SLOTS + e, &d[0], &d[1]);
+        }
+        if (scale) {
+            FASTLN_VD scale_v[2];
+            FASTLN_NAME(load_wide_p)(scale, &scale_v[0], &scale_v[1]);
+            dx_hat[0] *= scale_v[0];
+            dx_hat[1] *= scale_v[1];
+        }
+        d[0] -= mean;
+        d[1] -= mean;
+#endif
+        FASTLN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            sum_dxhat[2 * j + h] += dx_hat[h];
+            sum_dxhat_d[2 * j + h] += dx_hat[h] * d[h];
+            sum_d[2 * j + h] += d[h];
+        }
+    }
+}
+
+/* The backward's first pass over a row: sum(dx_hat), sum(dx_hat * d) and sum(d), d = x - mean,
+ * in double. The row mean is re-derived from x in the same read, with the cached mean as the
+ * shift: the cache may hold the mean rounded to float32, and x - mean with that rounded mean
+ * would lose the digits that matter when |mean| >> std. The last block is padded with dy = 0,
+ * x = mean, gamma = 1, which add exactly zero to all three sums. */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double mean, double rstd,
+    int64_t n_cols, fastln_ln_backward_sums *sums)
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++) {
+            const int inside = n_whole + k < n_cols;
+            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
+            padded[FASTLN_SLOTS + k] =
+                inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : (FASTLN_C)mean;
+            padded[2 * FASTLN_SLOTS + k] = inside && gamma ? gamma[n_whole + k] : 1;
+        }
+    double dxhat_slots[FASTLN_SLOTS], dxhat_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum_dxhat[FASTLN_PASS_VECTORS] = {0}, sum_dxhat_d[FASTLN_PASS_VECTORS] = {0};
+        FASTLN_VD sum_d[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
+            FASTLN_NAME(ln_backward_add_block)(dy, x, gamma, NULL, i + first, mean, sum_dxhat,
+                                               sum_dxhat_d, sum_d);
+        if (n_whole < n_cols)
+            FASTLN_NAME(ln_backward_add_block)(NULL, NULL, gamma, padded, first, mean, sum_dxhat,
+                                               sum_dxhat_d, sum_d);
+        memcpy(dxhat_slots + first, sum_dxhat, sizeof sum_dxhat);
+        memcpy(dxhat_d_slots + first, sum_dxhat_d, sizeof sum_dxhat_d);
+        memcpy(d_slots + first, sum_d, sizeof sum_d);
+    }
+    sums->mean = mean;
+    sums->rstd = rstd;
+    sums->n_cols = n_cols;
+    sums->mean_correction = fastln_reduce_slots(d_slots) / (double)n_cols;
+    sums->total_dxhat = fastln_reduce_slots(dxhat_slots);
+    sums->total_dxhat_d = fastln_reduce_slots(dxhat_d_slots);
+    sums->total_dxhat_xhat =
+        rstd * (sums->total_dxhat_d - sums->mean_correction * sums->total_dxhat);
+}
+
+/* Whether sum(dx_hat * d) may hold products that underflowed (float64 only: float32 ones,
+ * formed in double, cannot): their sum is below n * (n * DBL_MIN) then, which ordinary rows
+ * never are (all-zero dy aside). */
+FASTLN_INLINE int FASTLN_NAME(ln_backward_maybe_underflow)(const fastln_ln_backward_sums *sums)
+{
+#if FASTLN_COMPUTE_F32
+    (void)sums;
+    return 0;
+#else
+    const double n = (double)sums->n_cols;
+    return fabs(sums->total_dxhat_d) < n * n * DBL_MIN;
+#endif
+}
+
+/* Whether the write pass takes the row in the compute type: float32-compute rows whose rstd
+ * fits a float (the others, and float64 rows, are written in double). */
+FASTLN_INLINE int FASTLN_NAME(ln_backward_in_floats)(const fastln_ln_backward_sums *sums)
+{
+#if FASTLN_COMPUTE_F32
+    return sums->rstd > 1e-30 && sums->rstd < 1e30;
+#else
+    (void)sums;
+    return 0;
+#endif
+}
+
+/* ---- LayerNorm: the write pass in double -------------------------------------------------
+ *     dx = rstd / n * ((n * dx_hat - sum(dx_hat)) - x_hat * sum(dx_hat * x_hat)),
+ *     x_hat = ((x - mean) - mean(d)) * rstd,   dgamma += dy * x_hat,  dbeta += dy. */
+
+FASTLN_INLINE double FASTLN_NAME(ln_backward_dx1_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, int64_t i,
+    const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc)
+{
+    const double n = (double)sums->n_cols;
+    const double dy_i = FASTLN_NAME(to_double)(dy[i]);
+    const double x_hat =
+        ((FASTLN_NAME(to_double)(x[i]) - sums->mean) - sums->mean_correction) * sums->rstd;
+    const double dx_hat = gamma ? dy_i * (double)gamma[i] : dy_i;
+    *dgamma_acc = (FASTLN_P)((double)*dgamma_acc + dy_i * x_hat);
+    *dbeta_acc = (FASTLN_P)((double)*dbeta_acc + dy_i);
+    return (sums->rstd / n) * ((n * dx_hat - sums->total_dxhat) - x_hat * sums->total_dxhat_xhat);
+}
+
+/* dx for VF_LANES elements as two double vectors; dy * x_hat and dy are added to the
+ * accumulators (two double vectors each). */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_dx_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma,
+    const fastln_ln_backward_sums *sums, FASTLN_VD dgamma[2], FASTLN_VD dbeta[2],
+    FASTLN_VD dx[2])
+{
+    const double n = (double)sums->n_cols;
+    FASTLN_VD dy_v[2], x_hat[2], scale[2];
+    FASTLN_NAME(load_wide)(dy, &dy_v[0], &dy_v[1]);
+    FASTLN_NAME(load_wide)(x, &x_hat[0], &x_hat[1]);
+    if (gamma) FASTLN_NAME(load_wide_p)(gamma, &scale[0], &scale[1]);
+    FASTLN_UNROLL
+    for (int h = 0; h < 2; h++) {
+        x_hat[h] = ((x_hat[h] - sums->mean) - sums->mean_correction) * sums->rstd;
+        const FASTLN_VD dx_hat = gamma ? dy_v[h] * scale[h] : dy_v[h];
+        dgamma[h] += dy_v[h] * x_hat[h];
+        dbeta[h] += dy_v[h];
+        dx[h] = (sums->rstd / n)
+                * ((n * dx_hat - sums->total_dxhat) - x_hat[h] * sums->total_dxhat_xhat);
+    }
+}
+
+/* The double write pass over n elements of one row. With streaming set (and dx aligned), dx is
+ * written with non-temporal stores and the next row is prefetched (rows then come from memory;
+ * in cache the prefetch costs more than it saves). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n,
+    const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc,
+    int streaming)
+{
+    const fastln_ln_backward_sums row = *sums;
+    const int stream_dx = streaming && fastln_is_aligned16(dx);
+    int64_t i = 0;
+    for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+        if (streaming) {
+            FASTLN_NAME(prefetch_step)(dy + n + i);
+            FASTLN_NAME(prefetch_step)(x + n + i);
+        }
+        FASTLN_UNROLL
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+            FASTLN_VD dgamma[2], dbeta[2], dx_v[2];
+            FASTLN_NAME(load_wide_p)(dgamma_acc + v, &dgamma[0], &dgamma[1]);
+            FASTLN_NAME(load_wide_p)(dbeta_acc + v, &dbeta[0], &dbeta[1]);
+            FASTLN_NAME(ln_backward_dx_double)(dy + v, x + v, gamma ? gamma + v : NULL, &row,
+                                               dgamma, dbeta, dx_v);
+            FASTLN_NAME(store_wide_p)(dgamma_acc + v, dgamma[0], dgamma[1]);
+            FASTLN_NAME(store_wide_p)(dbeta_acc + v, dbeta[0], dbeta[1]);
+            if (stream_dx) {
+                FASTLN_T out[FASTLN_VF_LANES];
+                FASTLN_NAME(store_wide)(out, dx_v[0], dx_v[1]);
+                FASTLN_ISA(stream_bytes)(dx + v, out, sizeof out);
+            } else {
+                FASTLN_NAME(store_wide)(dx + v, dx_v[0], dx_v[1]);
+            }
+        }
+    }
+    if (stream_dx) fastln_streaming_fence();
+    for (; i < n; i++)
+        dx[i] = FASTLN_NAME(from_double)(FASTLN_NAME(ln_backward_dx1_double)(
+            dy, x, gamma, i, &row, dgamma_acc + i, dbeta_acc + i));
+}
+
+#if !FASTLN_COMPUTE_F32
+/* The double write pass of n_rows consecutive rows together over width columns (rows stride
+ * elements apart): each accumulator is loaded and stored once for the group, and the rows add
+ * to it in row order, as row after row would. float64 only: the float32-compute types group
+ * only rows their float pass takes. */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
+    FASTLN_P *dbeta_acc)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
+        FASTLN_VD dgamma[2], dbeta[2], dx_v[2];
+        FASTLN_NAME(load_wide_p)(dgamma_acc + i, &dgamma[0], &dgamma[1]);
+        FASTLN_NAME(load_wide_p)(dbeta_acc + i, &dbeta[0], &dbeta[1]);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            FASTLN_NAME(ln_backward_dx_double)(dy + at, x + at, gamma ? gamma + i : NULL,
+                                               &sums[r], dgamma, dbeta, dx_v);
+            FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
+        }
+        FASTLN_NAME(store_wide_p)(dgamma_acc + i, dgamma[0], dgamma[1]);
+        FASTLN_NAME(store_wide_p)(dbeta_acc + i, dbeta[0], dbeta[1]);
+    }
+    for (; i < width; i++)
+        for (int64_t r = 0; r < n_rows; r++)
+            dx[r * stride + i] = FASTLN_NAME(from_double)(FASTLN_NAME(ln_backward_dx1_double)(
+                dy + r * stride, x + r * stride, gamma, i, &sums[r], dgamma_acc + i,
+                dbeta_acc + i));
+}
+#endif
+
+/* ---- LayerNorm: the write pass in float32 ----------------------------------------------
+ *     dx = rstd * ((dx_hat - mean(dx_hat)) - x_hat * mean(dx_hat * x_hat))
+ * with both means taken in double by the first pass and x_hat centred on a float head + tail
+ * mean. Subtracting mean(dx_hat) first keeps the cancellation inside one float rounding (a
+ * one-element row gives dx = 0 exactly). */
+
+#if FASTLN_COMPUTE_F32
+FASTLN_INLINE fastln_ln_backward_floats FASTLN_NAME(ln_backward_to_floats)(
+    const fastln_ln_backward_sums *sums)
+{
+    const double n = (double)sums->n_cols;
+    fastln_ln_backward_floats row;
+    row.mean_head = (float)sums->mean; /* a float value already (the cache's) */
+    row.mean_tail = (float)sums->mean_correction;
+    row.rstd = (float)sums->rstd;
+    row.mean_dxhat = (float)(sums->total_dxhat / n);
+    row.mean_dxhat_xhat = (float)(sums->total_dxhat_xhat / n);
+    return row;
+}
+
+/* dx for VF_LANES elements; their dy * x_hat and dy are added to dgamma and dbeta. */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(ln_backward_dx_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma,
+    const fastln_ln_backward_floats *row, FASTLN_VF *dgamma, FASTLN_VF *dbeta)
+{
+    const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy);
+    const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x) - row->mean_head) - row->mean_tail) * row->rstd;
+    const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma) : dy_v;
+    *dgamma += dy_v * x_hat;
+    *dbeta += dy_v;
+    return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
+}
+
+/* The same for one element, with each lane's arithmetic. */
+FASTLN_INLINE float FASTLN_NAME(ln_backward_dx1_float)(
+    FASTLN_T dy, FASTLN_T x, const FASTLN_P *gamma, const fastln_ln_backward_floats *row,
+    float *dgamma, float *dbeta)
+{
+    const float dy_f = FASTLN_NAME(to_compute)(dy);
+    const float x_hat = ((FASTLN_NAME(to_compute)(x) - row->mean_head) - row->mean_tail) * row->rstd;
+    const float dx_hat = gamma ? dy_f * *gamma : dy_f;
+    *dgamma += dy_f * x_hat;
+    *dbeta += dy_f;
+    return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
+}
+
+/* The float write pass over n elements of one row (streaming as the double pass). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n,
+    const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc, int streaming)
+{
+    const fastln_ln_backward_floats row = FASTLN_NAME(ln_backward_to_floats)(sums);
+    const int stream_dx = streaming && fastln_is_aligned16(dx);
+    int64_t i = 0;
+    for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+        if (streaming) {
+            FASTLN_NAME(prefetch_step)(dy + n + i);
+            FASTLN_NAME(prefetch_step)(x + n + i);
+        }
+        FASTLN_UNROLL
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+            FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + v);
+            FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + v);
+            const FASTLN_VF dx_v = FASTLN_NAME(ln_backward_dx_float)(
+                dy + v, x + v, gamma ? gamma + v : NULL, &row, &dgamma, &dbeta);
+            FASTLN_ISA(store_f32)(dgamma_acc + v, dgamma);
+            FASTLN_ISA(store_f32)(dbeta_acc + v, dbeta);
+            if (stream_dx)
+                FASTLN_NAME(stream_c)(dx + v, dx_v);
+            else
+                FASTLN_NAME(store_c)(dx + v, dx_v);
+        }
+    }
+    if (stream_dx) fastln_streaming_fence();
+    for (; i < n; i++)
+        dx[i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
+            dy[i], x[i], gamma ? gamma + i : NULL, &row, dgamma_acc + i, dbeta_acc + i));
+}
+
+/* The float write pass of n_rows consecutive rows together (see the double one). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
+    float *dbeta_acc)
+{
+    fastln_ln_backward_floats rows[FASTLN_BACKWARD_GROUP];
+    for (int64_t r = 0; r < n_rows; r++) rows[r] = FASTLN_NAME(ln_backward_to_floats)(&sums[r]);
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
+        FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + i);
+        FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + i);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            FASTLN_NAME(store_c)(dx + at, FASTLN_NAME(ln_backward_dx_float)(
+                dy + at, x + at, gamma ? gamma + i : NULL, &rows[r], &dgamma, &dbeta));
+        }
+        FASTLN_ISA(store_f32)(dgamma_acc + i, dgamma);
+        FASTLN_ISA(store_f32)(dbeta_acc + i, dbeta);
+    }
+    for (; i < width; i++)
+        for (int64_t r = 0; r < n_rows; r++)
+            dx[r * stride + i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
+                dy[r * stride + i], x[r * stride + i], gamma ? gamma + i : NULL, &rows[r],
+                dgamma_acc + i, dbeta_acc + i));
+}
+#endif
+
+/* ---- LayerNorm: rows ---------------------------------------------------------------------- */
+
+FASTLN_INLINE void FASTLN_NAME(ln_backward_write)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n,
+    const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc,
+    int streaming)
+{
+#if FASTLN_COMPUTE_F32
+    if (FASTLN_NAME(ln_backward_in_floats)(sums)) {
+        FASTLN_NAME(ln_backward_write_float)(dy, x, gamma, dx, n, sums, dgamma_acc, dbeta_acc,
+                                             streaming);
+        return;
+    }
+    streaming = 0;
+#endif
+    FASTLN_NAME(ln_backward_write_double)(dy, x, gamma, dx, n, sums, dgamma_acc, dbeta_acc,
+                                          streaming);
+}
+
+FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
+    FASTLN_P *dbeta_acc)
+{
+#if FASTLN_COMPUTE_F32
+    FASTLN_NAME(ln_backward_write_rows_float)(dy, x, gamma, dx, n_rows, stride, width, sums,
+                                              dgamma_acc, dbeta_acc);
+#else
+    FASTLN_NAME(ln_backward_write_rows_double)(dy, x, gamma, dx, n_rows, stride, width, sums,
+                                               dgamma_acc, dbeta_acc);
+#endif
+}
+
+/* Backward of one row from its first pass's sums, by the two-reduction identity
+ *     dx = rstd / n * (n * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat)),  dx_hat = dy * gamma.
+ * eps is the forward's: rows whose cached rstd is Inf (beyond the cache's range) and rows whose
+ * products overflow or underflow double are done from statistics taken again from x (rare.h).
+ * With streaming set, dx is written with non-temporal stores. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_row_from_sums)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double eps, FASTLN_T *dx,
+    int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
+    FASTLN_P *dbeta_acc, int streaming)
+{
+    /* Not finite: an Inf rstd (a constant row with eps = 0, or beyond the cache's range), a
+     * product that overflowed, or a NaN or Inf in the row. */
+    if (!isfinite(sums->total_dxhat_xhat)
+        && FASTLN_NAME(ln_backward_row_rare)(dy, x, gamma, dx, n_cols, sums->rstd, eps,
+                                             sums->total_dxhat, dgamma_acc, dbeta_acc))
+        return;
+#if !FASTLN_COMPUTE_F32
+    if (FASTLN_NAME(ln_backward_maybe_underflow)(sums) && !FASTLN_NAME(all_zero)(dy, n_cols)
+        && FASTLN_NAME(ln_backward_products_underflow)(dy, x, gamma, sums->mean, n_cols)) {
+        FASTLN_NAME(ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc,
+                                                dbeta_acc);
+        return;
+    }
+#endif
+    /* The elements up to dx's next cache line first, then whole-line stores. */
+    const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
+    if (head > 0)
+        FASTLN_NAME(ln_backward_write)(dy, x, gamma, dx, head, sums, dgamma_acc, dbeta_acc, 0);
+    FASTLN_NAME(ln_backward_write)(dy + head, x + head, gamma ? gamma + head : NULL, dx + head,
+                                   n_cols - head, sums, dgamma_acc + head, dbeta_acc + head,
+                                   streaming);
+}
+
+/* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows: each row's first pass, then one
+ * write pass over the group's columns that loads and stores each dgamma/dbeta accumulator once
+ * per group instead of once per row (that traffic dominates a 768-wide float32 row in cache).
+ * Each element's arithmetic, and the order in which the rows add to an accumulator, are those of
+ * the single-row pass row after row: the same bits. A group with a row that the group pass does
+ * not take as it is, or whose dx streams (rows from memory), goes row by row, keeping the first
+ * passes already taken. mean and rstd are the group's entries of the cache. */
+FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *mean,
+    const FASTLN_P *rstd, double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols,
+    FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc, int streaming)
+{
+    fastln_ln_backward_sums sums[FASTLN_BACKWARD_GROUP];
+    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streaming;
+    int64_t n_summed = 0;
+    for (; grouped && n_summed < n_rows; n_summed++) {
+        const int64_t r = n_summed;
+        FASTLN_NAME(ln_backward_first_pass)(dy + r * n_cols, x + r * n_cols, gamma,
+                                            (double)mean[r], (double)rstd[r], n_cols, &sums[r]);
+        grouped = isfinite(sums[r].total_dxhat_xhat)
+                  && !FASTLN_NAME(ln_backward_maybe_underflow)(&sums[r])
+                  && (FASTLN_NAME(ln_backward_in_floats)(&sums[r]) || !FASTLN_COMPUTE_F32);
+    }
+    if (!grouped) {
+        for (int64_t r = 0; r < n_rows; r++) {
+            fastln_ln_backward_sums row_sums;
+            const fastln_ln_backward_sums *row = r < n_summed ? &sums[r] : &row_sums;
+            if (r >= n_summed)
+                FASTLN_NAME(ln_backward_first_pass)(dy + r * n_cols, x + r * n_cols, gamma,
+                                                    (double)mean[r], (double)rstd[r], n_cols,
+                                                    &row_sums);
+            FASTLN_NAME(ln_backward_row_from_sums)(dy + r * n_cols, x + r * n_cols, gamma, eps,
+                                                   dx + r * n_cols, n_cols, row, dgamma_acc,
+                                                   dbeta_acc, streaming);
+        }
+        return;
+    }
+    /* The columns up to dx's next cache line first, as the single-row pass does; the rows all
+     * start at the same offset from a line only when a row is a whole number of lines. */
+    const int64_t head = n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
+                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    if (head > 0)
+        FASTLN_NAME(ln_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, sums,
+                                            dgamma_acc, dbeta_acc);
+    FASTLN_NAME(ln_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
+                                        dx + head, n_rows, n_cols, n_cols - head, sums,
+                                        dgamma_acc + head, dbeta_acc + head);
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------------
+ * With x_hat = x * rstd and dx_hat = dy * gamma:
+ *     dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat)),   dgamma += dy * x_hat
+ * (LayerNorm's identity without the mean terms). dgamma accumulates in double for every type. */
+
+/* sum(dx_hat * x_hat) for one block's elements of this pass's slots, x_hat = x * x_scale in
+ * double; for the float32-compute types dx_hat is formed in float (one rounding, relative to
+ * itself) and widened. The padded block (dy NULL) holds zeros. */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_add_block)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *padded,
+    int64_t at, double x_scale, FASTLN_VD sum[FASTLN_PASS_VECTORS])
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_PASS_VECTORS / 2; j++) {
+        const int64_t e = at + j * FASTLN_VF_LANES;
+        const FASTLN_P *scale = gamma ? (dy ? gamma + e : padded + 2 * FASTLN_SLOTS + e) : NULL;
+        FASTLN_VD dx_hat[2], x_v[2];
+#if FASTLN_COMPUTE_F32
+        FASTLN_VF dx_hat_v = dy ? FASTLN_NAME(load_c)(dy + e) : FASTLN_NAME(load_p)(padded + e);
+        if (scale) dx_hat_v *= FASTLN_NAME(load_p)(scale);
+        dx_hat[0] = FASTLN_ISA(widen_low)(dx_hat_v);
+        dx_hat[1] = FASTLN_ISA(widen_high)(dx_hat_v);
+#else
+        if (dy)
+            FASTLN_NAME(load_wide)(dy + e, &dx_hat[0], &dx_hat[1]);
+        else
+            FASTLN_NAME(load_wide_p)(padded + e, &dx_hat[0], &dx_hat[1]);
+        if (scale) {
+            FASTLN_VD scale_v[2];
+            FASTLN_NAME(load_wide_p)(scale, &scale_v[0], &scale_v[1]);
+            dx_hat[0] *= scale_v[0];
+            dx_hat[1] *= scale_v[1];
+        }
+#endif
+        if (dy)
+            FASTLN_NAME(load_wide)(x + e, &x_v[0], &x_v[1]);
+        else
+            FASTLN_NAME(load_wide_p)(padded + FASTLN_SLOTS + e, &x_v[0], &x_v[1]);
+        sum[2 * j] += dx_hat[0] * (x_v[0] * x_scale);
+        sum[2 * j + 1] += dx_hat[1] * (x_v[1] * x_scale);
+    }
+}
+
+/* mean(dx_hat * x_hat) of a row, in the slot order. */
+FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                    const FASTLN_P *gamma, double x_scale,
+                                                    int64_t n_cols)
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++) {
+            const int inside = n_whole + k < n_cols;
+            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
+            padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
+            padded[2 * FASTLN_SLOTS + k] = inside && gamma ? gamma[n_whole + k] : 0;
+        }
+    double slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
+            FASTLN_NAME(rms_backward_add_block)(dy, x, gamma, NULL, i + first, x_scale, sum);
+        if (n_whole < n_cols)
+            FASTLN_NAME(rms_backward_add_block)(NULL, NULL, gamma, padded, first, x_scale, sum);
+        memcpy(slots + first, sum, sizeof sum);
+    }
+    return fastln_reduce_slots(slots) / (double)n_cols;
+}
+
+/* Whether the float write pass takes the row: float32-compute rows whose rstd fits a float
+ * (not the 0 x_scale of an all-zero row with eps = 0, nor NaN). */
+FASTLN_INLINE int FASTLN_NAME(rms_backward_in_floats)(const fastln_rms_backward_row *row)
+{
+#if FASTLN_COMPUTE_F32
+    return row->x_scale > 1e-30 && row->x_scale < 1e30 && row->rstd == row->x_scale;
+#else
+    (void)row;
+    return 0;
+#endif
+}
+
+/* The double write pass over width columns of n_rows consecutive rows (stride elements apart;
+ * one row, or a group): each dgamma accumulator is loaded and stored once, and the rows add to
+ * it in row order. */
+FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
+        FASTLN_VD dgamma[2] = {FASTLN_ISA(load_f64)(dgamma_acc + i),
+                               FASTLN_ISA(load_f64)(dgamma_acc + i + FASTLN_VD_LANES)};
+        FASTLN_VD scale[2];
+        if (gamma) FASTLN_NAME(load_wide_p)(gamma + i, &scale[0], &scale[1]);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            FASTLN_VD dy_v[2], x_hat[2], dx_v[2];
+            FASTLN_NAME(load_wide)(dy + at, &dy_v[0], &dy_v[1]);
+            FASTLN_NAME(load_wide)(x + at, &x_hat[0], &x_hat[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                x_hat[h] *= rows[r].x_scale;
+                const FASTLN_VD dx_hat = gamma ? dy_v[h] * scale[h] : dy_v[h];
+                dgamma[h] += dy_v[h] * x_hat[h];
+                dx_v[h] = rows[r].rstd * (dx_hat - x_hat[h] * rows[r].mean_dxhat_xhat);
+            }
+            FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
+        }
+        FASTLN_ISA(store_f64)(dgamma_acc + i, dgamma[0]);
+        FASTLN_ISA(store_f64)(dgamma_acc + i + FASTLN_VD_LANES, dgamma[1]);
+    }
+    for (; i < width; i++)
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            const double dy_i = FASTLN_NAME(to_double)(dy[at]);
+            const double x_hat = FASTLN_NAME(to_double)(x[at]) * rows[r].x_scale;
+            const double dx_hat = gamma ? dy_i * (double)gamma[i] : dy_i;
+            dgamma_acc[i] += dy_i * x_hat;
+            dx[at] = FASTLN_NAME(from_double)(rows[r].rstd
+                                              * (dx_hat - x_hat * rows[r].mean_dxhat_xhat));
+        }
+}
+
+#if FASTLN_COMPUTE_F32
+/* The float write pass over width columns of n_rows rows, all of which rms_backward_in_floats
+ * takes: dx = (dx_hat - x_hat * mean) * rstd in float, each product rounded once, dy * x_hat
+ * widened into the double accumulators. */
+FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc)
+{
+    float rstd[FASTLN_BACKWARD_GROUP], mean[FASTLN_BACKWARD_GROUP];
+    for (int64_t r = 0; r < n_rows; r++) {
+        rstd[r] = (float)rows[r].rstd;
+        mean[r] = (float)rows[r].mean_dxhat_xhat;
+    }
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
+        FASTLN_VD dgamma_low = FASTLN_ISA(load_f64)(dgamma_acc + i);
+        FASTLN_VD dgamma_high = FASTLN_ISA(load_f64)(dgamma_acc + i + FASTLN_VD_LANES);
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
+            const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
+            const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma + i) : dy_v;
+            const FASTLN_VF dgamma = dy_v * x_hat;
+            FASTLN_NAME(store_c)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r]);
+            dgamma_low += FASTLN_ISA(widen_low)(dgamma);
+            dgamma_high += FASTLN_ISA(widen_high)(dgamma);
+        }
+        FASTLN_ISA(store_f64)(dgamma_acc + i, dgamma_low);
+        FASTLN_ISA(store_f64)(dgamma_acc + i + FASTLN_VD_LANES, dgamma_high);
+    }
+    for (; i < width; i++)
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            const float dy_i = FASTLN_NAME(to_compute)(dy[at]);
+            const float x_hat = FASTLN_NAME(to_compute)(x[at]) * rstd[r];
+            const float dx_hat = gamma ? dy_i * gamma[i] : dy_i;
+            dgamma_acc[i] += (double)(dy_i * x_hat);
+            dx[at] = FASTLN_NAME(from_compute)((dx_hat - x_hat * mean[r]) * rstd[r]);
+        }
+}
+#endif
+
+/* The write pass over n_rows consecutive rows (one, or a group): the columns up to dx's next
+ * cache line first, then whole-line stores. The rows of a group all start at the same offset
+ * from a line only when a row is a whole number of lines; otherwise the group is stored as it
+ * comes. A group only holds rows the float pass takes (rms_norm_backward_rows). */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc)
+{
+    const int64_t head = n_rows == 1 || n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
+                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    for (int piece = 0; piece < 2; piece++) {
+        const int64_t start = piece == 0 ? 0 : head;
+        const int64_t width = piece == 0 ? head : n_cols - head;
+        if (width == 0) continue;
+#if FASTLN_COMPUTE_F32
+        if (FASTLN_NAME(rms_backward_in_floats)(&rows[0])) {
+            FASTLN_NAME(rms_backward_write_rows_float)(
+                dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
+                width, rows, dgamma_acc + start);
+            continue;
+        }
+#endif
+        FASTLN_NAME(rms_backward_write_rows_double)(
+            dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
+            width, rows, dgamma_acc + start);
+    }
+}
+
+/* Backward of one row. x_hat is formed before any product, so rows of huge or tiny magnitude
+ * neither overflow nor underflow. An all-zero row with eps = 0 (rstd = Inf) has x_hat = 0, as in
+ * the forward; its dx is then Inf * dx_hat (the gradient of x / |x| at 0 does not exist). Any
+ * other row with an Inf rstd has an rstd beyond the cache's range and is done from x (rare.h). */
+FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
+    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_P *FASTLN_RESTRICT gamma,
+    double rstd, double eps, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc)
+{
+    if (isinf(rstd)
+        && FASTLN_NAME(rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols, dgamma_acc))
+        return;
+    fastln_rms_backward_row row;
+    row.rstd = rstd;
+    row.x_scale = fastln_rms_x_scale(rstd);
+    row.mean_dxhat_xhat = FASTLN_NAME(rms_backward_mean)(dy, x, gamma, row.x_scale, n_cols);
+    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc);
+}
+
+/* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows (rstd: their cache entries): each
+ * row's mean(dx_hat * x_hat), then one write pass over the group's columns that loads and stores
+ * each dgamma accumulator once per group. The same bits as row after row; a group with a row of
+ * Inf rstd or one the float pass does not take goes row by row. */
+FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *rstd,
+    double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc)
+{
+    fastln_rms_backward_row rows[FASTLN_BACKWARD_GROUP];
+    int grouped = n_rows <= FASTLN_BACKWARD_GROUP;
+    for (int64_t r = 0; grouped && r < n_rows; r++) {
+        rows[r].rstd = (double)rstd[r];
+        rows[r].x_scale = fastln_rms_x_scale(rows[r].rstd);
+        grouped = !isinf(rows[r].rstd)
+                  && (FASTLN_NAME(rms_backward_in_floats)(&rows[r]) || !FASTLN_COMPUTE_F32);
+    }
+    if (!grouped) {
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(rms_norm_backward_row)(dy + r * n_cols, x + r * n_cols, gamma,
+                                               (double)rstd[r], eps, dx + r * n_cols, n_cols,
+                                               dgamma_acc);
+        return;
+    }
+    for (int64_t r = 0; r < n_rows; r++)
+        rows[r].mean_dxhat_xhat = FASTLN_NAME(rms_backward_mean)(
+            dy + r * n_cols, x + r * n_cols, gamma, rows[r].x_scale, n_cols);
+    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc);
+}
+
+/* ---- BatchNorm ------------------------------------------------------------------------------
+ * Sums of dy, dy * d and d per feature, d = x - mean (in double: mean is the batch mean, not a
+ * value of x), then dx feature by feature with the constants of fastln_bn_backward_constants. */
+
+/* Rows layout: adds into the per-feature arrays sum_dy, sum_dy_d and sum_d. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_rows)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
+    int64_t n_features, int64_t row_stride, const double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
+    double *FASTLN_RESTRICT sum_d)
+{
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *dy_row = dy + r * row_stride;
+        const FASTLN_T *x_row = x + r * row_stride;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
+            FASTLN_VD g[2], d[2];
+            FASTLN_NAME(load_wide)(dy_row + c, &g[0], &g[1]);
+            FASTLN_NAME(load_wide)(x_row + c, &d[0], &d[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = c + h * FASTLN_VD_LANES;
+                d[h] -= FASTLN_ISA(load_f64)(mean + at);
+                FASTLN_ISA(store_f64)(sum_dy + at, FASTLN_ISA(load_f64)(sum_dy + at) + g[h]);
+                FASTLN_ISA(store_f64)(sum_dy_d + at,
+                                      FASTLN_ISA(load_f64)(sum_dy_d + at) + g[h] * d[h]);
+                FASTLN_ISA(store_f64)(sum_d + at, FASTLN_ISA(load_f64)(sum_d + at) + d[h]);
+            }
+        }
+        for (; c < n_features; c++) {
+            const double g = FASTLN_NAME(to_double)(dy_row[c]);
+            const double d = FASTLN_NAME(to_double)(x_row[c]) - mean[c];
+            sum_dy[c] += g;
+            sum_dy_d[c] += g * d;
+            sum_d[c] += d;
+        }
+    }
+}
+
+/* The three sums for this pass's slots of one block: from the segment, or (dy NULL) from
+ * padded[0..1], the block's dy and d already in double (zeros beyond the segment). */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_add_block)(
+    const FASTLN_T *dy, const FASTLN_T *x, const double (*padded)[FASTLN_SLOTS], int64_t at,
+    double mean, FASTLN_VD sum_dy[FASTLN_PASS_VECTORS], FASTLN_VD sum_dy_d[FASTLN_PASS_VECTORS],
+    FASTLN_VD sum_d[FASTLN_PASS_VECTORS])
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_PASS_VECTORS / 2; j++) {
+        const int64_t e = at + j * FASTLN_VF_LANES;
+        FASTLN_VD g[2], d[2];
+        if (dy) {
+            FASTLN_NAME(load_wide)(dy + e, &g[0], &g[1]);
+            FASTLN_NAME(load_wide)(x + e, &d[0], &d[1]);
+            d[0] -= mean;
+            d[1] -= mean;
+        } else {
+            g[0] = FASTLN_ISA(load_f64)(padded[0] + e);
+            g[1] = FASTLN_ISA(load_f64)(padded[0] + e + FASTLN_VD_LANES);
+            d[0] = FASTLN_ISA(load_f64)(padded[1] + e);
+            d[1] = FASTLN_ISA(load_f64)(padded[1] + e + FASTLN_VD_LANES);
+        }
+        FASTLN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            sum_dy[2 * j + h] += g[h];
+            sum_dy_d[2 * j + h] += g[h] * d[h];
+            sum_d[2 * j + h] += d[h];
+        }
+    }
+}
+
+/* Segments layout, one feature (slot order as bn_stats_segments). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_segments)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
+    int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,
+    double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
+{
+    const int64_t n_whole = n_inner - n_inner % FASTLN_SLOTS;
+    double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum_dy[FASTLN_PASS_VECTORS] = {0}, sum_dy_d[FASTLN_PASS_VECTORS] = {0};
+        FASTLN_VD sum_d[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t k = 0; k < n_segments; k++) {
+            const FASTLN_T *dy_segment = dy + k * stride;
+            const FASTLN_T *x_segment = x + k * stride;
+            for (int64_t l = 0; l < n_whole; l += FASTLN_SLOTS)
+                FASTLN_NAME(bn_backward_add_block)(dy_segment, x_segment, NULL, l + first, mean,
+                                                   sum_dy, sum_dy_d, sum_d);
+            if (n_whole < n_inner) {
+                double padded[2][FASTLN_SLOTS];
+                for (int s = 0; s < FASTLN_PASS_SLOTS; s++) {
+                    const int64_t l = n_whole + first + s;
+                    padded[0][s] = l < n_inner ? FASTLN_NAME(to_double)(dy_segment[l]) : 0.0;
+                    padded[1][s] = l < n_inner ? FASTLN_NAME(to_double)(x_segment[l]) - mean : 0.0;
+                }
+                FASTLN_NAME(bn_backward_add_block)(NULL, NULL, (const double(*)[FASTLN_SLOTS])padded,
+                                                   0, mean, sum_dy, sum_dy_d, sum_d);
+            }
+        }
+        memcpy(dy_slots + first, sum_dy, sizeof sum_dy);
+        memcpy(dy_d_slots + first, sum_dy_d, sizeof sum_dy_d);
+        memcpy(d_slots + first, sum_d, sizeof sum_d);
+    }
+    *sum_dy_out = fastln_reduce_slots(dy_slots);
+    *sum_dy_d_out = fastln_reduce_slots(dy_d_slots);
+    *sum_d_out = fastln_reduce_slots(d_slots);
+}
+
+/* Training, rows layout: dx = k * ((dy - mean_dy) - ((x - mean) - correction) * coef);
+ * evaluation (training 0): dx = dy * k. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(
+    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, FASTLN_T *dx, int64_t n_rows,
+    int64_t n_features, int training, const double *FASTLN_RESTRICT mean,
+    const double *FASTLN_RESTRICT correction, const double *FASTLN_RESTRICT k,
+    const double *FASTLN_RESTRICT mean_dy, const double *FASTLN_RESTRICT coef)
+{
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *dy_row = dy + r * n_features;
+        const FASTLN_T *x_row = x + r * n_features;
+        FASTLN_T *dx_row = dx + r * n_features;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
+            FASTLN_VD g[2], centred[2];
+            FASTLN_NAME(load_wide)(dy_row + c, &g[0], &g[1]);
+            if (training) FASTLN_NAME(load_wide)(x_row + c, &centred[0], &centred[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = c + h * FASTLN_VD_LANES;
+                if (training) {
+                    centred[h] = (centred[h] - FASTLN_ISA(load_f64)(mean + at))
+                                 - FASTLN_ISA(load_f64)(correction + at);
+                    g[h] = FASTLN_ISA(load_f64)(k + at)
+                           * ((g[h] - FASTLN_ISA(load_f64)(mean_dy + at))
+                              - centred[h] * FASTLN_ISA(load_f64)(coef + at));
+                } else {
+                    g[h] *= FASTLN_ISA(load_f64)(k + at);
+                }
+            }
+            FASTLN_NAME(store_wide)(dx_row + c, g[0], g[1]);
+        }
+        for (; c < n_features; c++) {
+            const double g = FASTLN_NAME(to_double)(dy_row[c]);
+            double out;
+            if (training) {
+                const double centred = (FASTLN_NAME(to_double)(x_row[c]) - mean[c]) - correction[c];
+                out = k[c] * ((g - mean_dy[c]) - centred * coef[c]);
+            } else {
+                out = g * k[c];
+            }
+            dx_row[c] = FASTLN_NAME(from_double)(out);
+        }
+    }
+}
+
+/* Segments layout, one segment of one feature (training, or evaluation's dx = dy * k). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
+    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, FASTLN_T *dx, int64_t n_inner,
+    int training, double mean, double correction, double k, double mean_dy, double coef)
+{
+    int64_t l = 0;
+    for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
+        FASTLN_VD g[2], centred[2];
+        FASTLN_NAME(load_wide)(dy + l, &g[0], &g[1]);
+        if (training) FASTLN_NAME(load_wide)(x + l, &centred[0], &centred[1]);
+        FASTLN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            if (training) {
+                centred[h] = (centred[h] - mean) - correction;
+                g[h] = k * ((g[h] - mean_dy) - centred[h] * coef);
+            } else {
+                g[h] *= k;
+            }
+        }
+        FASTLN_NAME(store_wide)(dx + l, g[0], g[1]);
+    }
+    for (; l < n_inner; l++) {
+        const double g = FASTLN_NAME(to_double)(dy[l]);
+        double out;
+        if (training) {
+            const double centred = (FASTLN_NAME(to_double)(x[l]) - mean) - correction;
+            out = k * ((g - mean_dy) - centred * coef);
+        } else {
+            out = g * k;
+        }
+        dx[l] = FASTLN_NAME(from_double)(out);
+    }
+}

@@ -1,0 +1,324 @@
+/* Forward write passes and row kernels (LayerNorm, RMSNorm, residual add + norm) for one storage
+ * type (fastln/storage.h). No include guard on purpose.
+ *
+ * The write passes are elementwise: they go cache line by cache line (FASTLN_STEP elements, one
+ * prefetch of the next row's line each), and do the elements after the last whole step one at a
+ * time with each lane's arithmetic, which rounds exactly as the vector lanes do. y may be x
+ * itself (in place): each element is read before it is written. */
+
+/* Prefetch the lines of one step of the next row (rows are contiguous): the next statistics
+ * pass then finds it in cache. */
+FASTLN_INLINE void FASTLN_NAME(prefetch_step)(const FASTLN_T *p)
+{
+    FASTLN_UNROLL
+    for (int64_t k = 0; k < FASTLN_STEP; k += FASTLN_LINE) __builtin_prefetch(p + k, 0, 3);
+}
+
+/* ---- LayerNorm -------------------------------------------------------------------------- */
+
+/* y = gamma * x_hat + beta over n elements (a row, or a piece of it), all in double:
+ * x_hat = ((x - shift) - mean_shifted) * rstd. The float64 pass, and the float32-compute types'
+ * pass for rows whose rstd does not fit a float. */
+FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
+    const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t n,
+    double shift, double mean_shifted, double rstd, const int streaming)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+        FASTLN_NAME(prefetch_step)(x + n + i);
+        FASTLN_UNROLL
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+            FASTLN_VD low, high, scale_low, scale_high;
+            FASTLN_NAME(load_wide)(x + v, &low, &high);
+            low = ((low - shift) - mean_shifted) * rstd;
+            high = ((high - shift) - mean_shifted) * rstd;
+            if (gamma) {
+                FASTLN_NAME(load_wide_p)(gamma + v, &scale_low, &scale_high);
+                low *= scale_low;
+                high *= scale_high;
+            }
+            if (beta) {
+                FASTLN_NAME(load_wide_p)(beta + v, &scale_low, &scale_high);
+                low += scale_low;
+                high += scale_high;
+            }
+            if (streaming) {
+                FASTLN_T out[FASTLN_VF_LANES];
+                FASTLN_NAME(store_wide)(out, low, high);
+                FASTLN_ISA(stream_bytes)(y + v, out, sizeof out);
+            } else {
+                FASTLN_NAME(store_wide)(y + v, low, high);
+            }
+        }
+    }
+    if (streaming) fastln_streaming_fence();
+    for (; i < n; i++) {
+        double out = ((FASTLN_NAME(to_double)(x[i]) - shift) - mean_shifted) * rstd;
+        if (gamma) out *= (double)gamma[i];
+        if (beta) out += (double)beta[i];
+        y[i] = FASTLN_NAME(from_double)(out);
+    }
+}
+
+#if FASTLN_COMPUTE_F32
+/* The float32 pass: twice the lanes of the double pass and no conversions. The centring keeps
+ * its precision by splitting the mean into a float head and tail: x - head is exact whenever x
+ * is within a factor of two of the mean (the large-offset case), and otherwise rounds once
+ * relative to a difference as large as x itself, so x_hat is within about two float32 ulps of
+ * the double computation. */
+FASTLN_OUTLINED void FASTLN_NAME(ln_write_float)(
+    const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t n,
+    float mean_head, float mean_tail, float rstd, const int streaming)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+        FASTLN_NAME(prefetch_step)(x + n + i);
+        FASTLN_UNROLL
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+            FASTLN_VF out = ((FASTLN_NAME(load_c)(x + v) - mean_head) - mean_tail) * rstd;
+            if (gamma) out *= FASTLN_NAME(load_p)(gamma + v);
+            if (beta) out += FASTLN_NAME(load_p)(beta + v);
+            if (streaming)
+                FASTLN_NAME(stream_c)(y + v, out);
+            else
+                FASTLN_NAME(store_c)(y + v, out);
+        }
+    }
+    if (streaming) fastln_streaming_fence();
+    for (; i < n; i++) {
+        float out = ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * rstd;
+        if (gamma) out *= gamma[i];
+        if (beta) out += beta[i];
+        y[i] = FASTLN_NAME(from_compute)(out);
+    }
+}
+#endif
+
+/* The write pass over n elements: x_hat = ((x - shift) - mean_shifted) * rstd. float64 rows and
+ * rows whose rstd does not fit a float32 (eps = 0 with subnormal spreads; the 0 of a constant
+ * row) are written in double, the others in float. With streaming set (and y aligned), y goes out
+ * with non-temporal stores. */
+FASTLN_INLINE void FASTLN_NAME(ln_write)(
+    const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t n,
+    double shift, double mean_shifted, double rstd, int streaming)
+{
+    const int stream_y = streaming && fastln_is_aligned16(y);
+#if FASTLN_COMPUTE_F32
+    if (rstd > 1e-30 && rstd < 1e30) {
+        const double mean = shift + mean_shifted;
+        const float mean_head = (float)mean;
+        const float mean_tail = (float)((shift - (double)mean_head) + mean_shifted);
+        if (stream_y)
+            FASTLN_NAME(ln_write_float)(x, gamma, beta, y, n, mean_head, mean_tail, (float)rstd, 1);
+        else
+            FASTLN_NAME(ln_write_float)(x, gamma, beta, y, n, mean_head, mean_tail, (float)rstd, 0);
+        return;
+    }
+    FASTLN_NAME(ln_write_double)(x, gamma, beta, y, n, shift, mean_shifted, rstd, 0);
+#else
+    if (stream_y)
+        FASTLN_NAME(ln_write_double)(x, gamma, beta, y, n, shift, mean_shifted, rstd, 1);
+    else
+        FASTLN_NAME(ln_write_double)(x, gamma, beta, y, n, shift, mean_shifted, rstd, 0);
+#endif
+}
+
+/* Forward of one row of n_cols elements: the statistics (ln_statistics) from one read of the
+ * row, then y is written in a second pass while the row is still in cache, centring as
+ * (x - shift) - mean(d) so that the large offset never meets the small deviations in one
+ * rounding. gamma and beta may be NULL (ones and zeros). *mean_out and *rstd_out receive the
+ * row's statistics; an rstd beyond double's range (eps = 0 and a spread below ~1e-308) is
+ * reported as Inf, its honest float64 value, and the backward then takes the statistics again
+ * from x. */
+FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
+    const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
+    const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
+    double *mean_out, double *rstd_out, int streaming)
+{
+    fastln_ln_stats stats;
+    FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
+    *mean_out = stats.shift + stats.mean_shifted;
+    *rstd_out = stats.rstd;
+    if (isinf(stats.rstd) && stats.var > 0.0) {
+        FASTLN_NAME(ln_write_rescaled)(x, gamma, beta, y, n_cols, &stats);
+        return;
+    }
+    /* A constant row with eps = 0: every centred value is exactly 0 and x_hat is defined as 0
+     * (y = beta), not 0 * inf = NaN. The cache still reports rstd = inf. */
+    const double x_hat_scale = stats.var + eps == 0.0 ? 0.0 : stats.rstd;
+    /* The elements up to y's next cache line first, then whole-line stores. */
+    const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
+    if (head > 0)
+        FASTLN_NAME(ln_write)(x, gamma, beta, y, head, stats.shift, stats.mean_shifted,
+                              x_hat_scale, 0);
+    FASTLN_NAME(ln_write)(x + head, gamma ? gamma + head : NULL, beta ? beta + head : NULL,
+                          y + head, n_cols - head, stats.shift, stats.mean_shifted, x_hat_scale,
+                          streaming);
+}
+
+/* ---- RMSNorm ---------------------------------------------------------------------------- */
+
+/* y = gamma * (x * x_scale) over n elements, all in double. */
+FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FASTLN_P *gamma,
+                                                 FASTLN_T *y, int64_t n, double x_scale)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+        FASTLN_NAME(prefetch_step)(x + n + i);
+        FASTLN_UNROLL
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+            FASTLN_VD low, high, scale_low, scale_high;
+            FASTLN_NAME(load_wide)(x + v, &low, &high);
+            low *= x_scale;
+            high *= x_scale;
+            if (gamma) {
+                FASTLN_NAME(load_wide_p)(gamma + v, &scale_low, &scale_high);
+                low *= scale_low;
+                high *= scale_high;
+            }
+            FASTLN_NAME(store_wide)(y + v, low, high);
+        }
+    }
+    for (; i < n; i++) {
+        double out = FASTLN_NAME(to_double)(x[i]) * x_scale;
+        if (gamma) out *= (double)gamma[i];
+        y[i] = FASTLN_NAME(from_double)(out);
+    }
+}
+
+/* y = (x * rstd) * gamma over n elements. float32-compute rows go in float (rstd rounded to
+ * float: three roundings of u32 each, for twice the lanes; there is no centring to lose digits
+ * in), unless x_scale does not fit a float (0 for an all-zero row with eps = 0, NaN, beyond
+ * 1e30); float64 rows and those in double. */
+FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *y,
+                                          int64_t n, double x_scale)
+{
+#if FASTLN_COMPUTE_F32
+    if (x_scale > 1e-30 && x_scale < 1e30) {
+        const float rstd = (float)x_scale;
+        int64_t i = 0;
+        for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+            FASTLN_NAME(prefetch_step)(x + n + i);
+            FASTLN_UNROLL
+            for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+                FASTLN_VF out = FASTLN_NAME(load_c)(x + v) * rstd;
+                if (gamma) out *= FASTLN_NAME(load_p)(gamma + v);
+                FASTLN_NAME(store_c)(y + v, out);
+            }
+        }
+        for (; i < n; i++) {
+            float out = FASTLN_NAME(to_compute)(x[i]) * rstd;
+            if (gamma) out *= gamma[i];
+            y[i] = FASTLN_NAME(from_compute)(out);
+        }
+        return;
+    }
+#endif
+    FASTLN_NAME(rms_write_double)(x, gamma, y, n, x_scale);
+}
+
+/* Forward of one row: one read for the sum of squares, then y is written in a second pass while
+ * the row is still in cache. gamma may be NULL (ones). *rstd_out receives the row's
+ * 1 / sqrt(mean(x * x) + eps). */
+FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
+    const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma, FASTLN_T *y, int64_t n_cols,
+    double eps, double *rstd_out)
+{
+    const double rstd = FASTLN_NAME(rms_row_rstd)(x, n_cols, eps);
+    *rstd_out = rstd;
+    if (isinf(rstd)) {
+        /* Beyond double's range (reported as Inf, its honest float64 value: the backward then
+         * takes rstd again from x), or an all-zero row with eps = 0. Rare. */
+        int exponent;
+        const double rstd_scaled = FASTLN_NAME(rms_rescaled_rstd)(x, n_cols, eps, &exponent);
+        if (!isinf(rstd_scaled)) {
+            FASTLN_NAME(rms_write_rescaled)(x, gamma, y, n_cols, exponent, rstd_scaled);
+            return;
+        }
+    }
+    /* rstd = Inf here only for an all-zero row with eps = 0 (fastln_rms_x_scale: x_hat = 0). */
+    const double x_scale = fastln_rms_x_scale(rstd);
+    const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
+    FASTLN_NAME(rms_write)(x, gamma, y, head, x_scale);
+    FASTLN_NAME(rms_write)(x + head, gamma ? gamma + head : NULL, y + head, n_cols - head,
+                           x_scale);
+}
+
+/* ---- residual add + norm ---------------------------------------------------------------- */
+
+/* s = x + residual (+ bias) over one row, in double and rounded once (to float32 and then to the
+ * half format for the half types, as NumPy's float16 addition rounds: exactly NumPy's
+ * x + residual without bias). s may be x or residual itself: each element is read before it is
+ * written. bias may be NULL. */
+FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *residual,
+                                        const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= n_cols; i += FASTLN_VF_LANES) {
+        FASTLN_VD x_low, x_high, r_low, r_high;
+        FASTLN_NAME(load_wide)(x + i, &x_low, &x_high);
+        FASTLN_NAME(load_wide)(residual + i, &r_low, &r_high);
+        x_low += r_low;
+        x_high += r_high;
+        if (bias) {
+            FASTLN_NAME(load_wide_p)(bias + i, &r_low, &r_high);
+            x_low += r_low;
+            x_high += r_high;
+        }
+        FASTLN_NAME(store_wide)(s + i, x_low, x_high);
+    }
+    for (; i < n_cols; i++) {
+        double sum = FASTLN_NAME(to_double)(x[i]) + FASTLN_NAME(to_double)(residual[i]);
+        if (bias) sum += (double)bias[i];
+        s[i] = FASTLN_NAME(from_double)(sum);
+    }
+}
+
+/* ---- BatchNorm: y = ((x - shift) - center) * scale + offset ----------------------------- */
+
+/* Rows layout, n_rows rows of n_features values; the four constants are per-feature arrays.
+ * Features never mix, so the vector width changes nothing. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
+    const FASTLN_T *x, FASTLN_T *y, int64_t n_rows, int64_t n_features,
+    const double *FASTLN_RESTRICT shift, const double *FASTLN_RESTRICT center,
+    const double *FASTLN_RESTRICT scale, const double *FASTLN_RESTRICT offset)
+{
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *row = x + r * n_features;
+        FASTLN_T *out = y + r * n_features;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
+            FASTLN_VD value[2];
+            FASTLN_NAME(load_wide)(row + c, &value[0], &value[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = c + h * FASTLN_VD_LANES;
+                const FASTLN_VD d = (value[h] - FASTLN_ISA(load_f64)(shift + at))
+                                    - FASTLN_ISA(load_f64)(center + at);
+                value[h] = d * FASTLN_ISA(load_f64)(scale + at) + FASTLN_ISA(load_f64)(offset + at);
+            }
+            FASTLN_NAME(store_wide)(out + c, value[0], value[1]);
+        }
+        for (; c < n_features; c++)
+            out[c] = FASTLN_NAME(from_double)(
+                ((FASTLN_NAME(to_double)(row[c]) - shift[c]) - center[c]) * scale[c] + offset[c]);
+    }
+}
+
+/* Segments layout: one segment of n_inner values of one feature. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment)(const FASTLN_T *x, FASTLN_T *y, int64_t n_inner,
+                                                 double shift, double center, double scale,
+                                                 double offset)
+{
+    int64_t l = 0;
+    for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
+        FASTLN_VD low, high;
+        FASTLN_NAME(load_wide)(x + l, &low, &high);
+        low = ((low - shift) - center) * scale + offset;
+        high = ((high - shift) - center) * scale + offset;
+        FASTLN_NAME(store_wide)(y + l, low, high);
+    }
+    for (; l < n_inner; l++)
+        y[l] = FASTLN_NAME(from_double)(
+            ((FASTLN_NAME(to_double)(x[l]) - shift) - center) * scale + offset);
+}

@@ -1,0 +1,193 @@
+/* One instruction-set variant of the kernels: the vector layer for the current target, then
+ * every kernel template for every storage type. fastln/kernels.h includes this file once per
+ * variant, inside a `#pragma GCC target` region, with FASTLN_ISA_SUFFIX set (_v4, _v3, _base);
+ * the target's macros (__AVX512F__, __AVX2__, __F16C__) choose the native vector width and the
+ * conversion instructions below. No include guard on purpose.
+ *
+ * The arithmetic is the same in every variant, operation for operation (no fused multiply-adds:
+ * -ffp-contract=off), and every sum keeps its slot order (fastln/simd.h): the variants give the
+ * same bits. */
+
+#define FASTLN_ISA(name) FASTLN_XPASTE(fastln_##name, FASTLN_ISA_SUFFIX)
+
+#if defined(__AVX512F__)
+#define FASTLN_VF fastln_f32x16
+#define FASTLN_VD fastln_f64x8
+#define FASTLN_VU32 fastln_u32x16
+#define FASTLN_VF_LANES 16
+#elif defined(__AVX2__)
+#define FASTLN_VF fastln_f32x8
+#define FASTLN_VD fastln_f64x4
+#define FASTLN_VU32 fastln_u32x8
+#define FASTLN_VF_LANES 8
+#else
+#define FASTLN_VF fastln_f32x4
+#define FASTLN_VD fastln_f64x2
+#define FASTLN_VU32 fastln_u32x4
+#define FASTLN_VF_LANES 4
+#endif
+#define FASTLN_VD_LANES (FASTLN_VF_LANES / 2)
+
+/* A sum's pass keeps FASTLN_PASS_VECTORS accumulators of FASTLN_VD_LANES slots: all 32 slots in
+ * one pass with AVX-512; two passes of 16 slots with AVX2 and four of 8 with SSE2, each over the
+ * whole row, so that a pass's accumulators (two or three sums of them) fit the 16 registers
+ * those have. Each slot still adds its elements in row order. */
+#define FASTLN_PASS_VECTORS 4
+#define FASTLN_PASS_SLOTS (FASTLN_PASS_VECTORS * FASTLN_VD_LANES)
+
+FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_f32)(const float *p)
+{
+    FASTLN_VF v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_f32)(float *p, FASTLN_VF v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+FASTLN_INLINE FASTLN_VD FASTLN_ISA(load_f64)(const double *p)
+{
+    FASTLN_VD v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_f64)(double *p, FASTLN_VD v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* The low and high halves of a float vector, widened to double (exact). */
+FASTLN_INLINE FASTLN_VD FASTLN_ISA(widen_low)(FASTLN_VF v)
+{
+#if defined(__AVX512F__)
+    return (FASTLN_VD)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v));
+#elif defined(__AVX2__)
+    return (FASTLN_VD)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
+#elif defined(__x86_64__)
+    return (FASTLN_VD)_mm_cvtps_pd((__m128)v);
+#else
+    return (FASTLN_VD){v[0], v[1]};
+#endif
+}
+
+FASTLN_INLINE FASTLN_VD FASTLN_ISA(widen_high)(FASTLN_VF v)
+{
+#if defined(__AVX512F__)
+    return (FASTLN_VD)_mm512_cvtps_pd(
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1)));
+#elif defined(__AVX2__)
+    return (FASTLN_VD)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1));
+#elif defined(__x86_64__)
+    return (FASTLN_VD)_mm_cvtps_pd(_mm_movehl_ps((__m128)v, (__m128)v));
+#else
+    return (FASTLN_VD){v[2], v[3]};
+#endif
+}
+
+/* Two double vectors rounded to float (to nearest even) into one float vector. */
+FASTLN_INLINE FASTLN_VF FASTLN_ISA(narrow_pair)(FASTLN_VD low, FASTLN_VD high)
+{
+#if defined(__AVX512F__)
+    return (FASTLN_VF)_mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(_mm512_cvtpd_ps((__m512d)low))),
+        _mm256_castps_pd(_mm512_cvtpd_ps((__m512d)high)), 1));
+#elif defined(__AVX2__)
+    return (FASTLN_VF)_mm256_insertf128_ps(
+        _mm256_castps128_ps256(_mm256_cvtpd_ps((__m256d)low)), _mm256_cvtpd_ps((__m256d)high), 1);
+#elif defined(__x86_64__)
+    return (FASTLN_VF)_mm_movelh_ps(_mm_cvtpd_ps((__m128d)low), _mm_cvtpd_ps((__m128d)high));
+#else
+    return (FASTLN_VF){(float)low[0], (float)low[1], (float)high[0], (float)high[1]};
+#endif
+}
+
+/* float16 <-> float32 for a vector: F16C's conversions where the target has them (AVX2 and
+ * AVX-512 targets do), else the portable bit arithmetic of fastln/convert.h lane by lane on
+ * integer vectors. Both are exact one way and round to nearest even the other, as NumPy's
+ * astype does (computed values are never signalling NaNs, the one case where they differ). */
+FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_float16)(const uint16_t *p)
+{
+#if defined(__AVX512F__)
+    return (FASTLN_VF)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return (FASTLN_VF)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    FASTLN_VF v;
+    for (int k = 0; k < FASTLN_VF_LANES; k++) v[k] = fastln_float16_to_float(p[k]);
+    return v;
+#endif
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_float16)(uint16_t *p, FASTLN_VF v)
+{
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__AVX2__) && defined(__F16C__)
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int k = 0; k < FASTLN_VF_LANES; k++) p[k] = fastln_float_to_float16(v[k]);
+#endif
+}
+
+/* bfloat16 is the top half of a float32: widening is a shift, narrowing rounds the low half
+ * away (to nearest even, NaN to the quiet NaN 0x7fc0 with its sign, as ml_dtypes does). Integer
+ * vector arithmetic, the same on every target. */
+FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_bfloat16)(const uint16_t *p)
+{
+    FASTLN_VU32 bits;
+    for (int k = 0; k < FASTLN_VF_LANES; k++) bits[k] = (uint32_t)p[k] << 16;
+    FASTLN_VF v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
+{
+    FASTLN_VU32 bits;
+    memcpy(&bits, &v, sizeof bits);
+    const FASTLN_VU32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const FASTLN_VU32 nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
+    const FASTLN_VU32 is_nan = (FASTLN_VU32)((bits & 0x7fffffffu) > 0x7f800000u);
+    const FASTLN_VU32 result = (nan & is_nan) | (rounded & ~is_nan);
+    for (int k = 0; k < FASTLN_VF_LANES; k++) p[k] = (uint16_t)result[k];
+}
+
+/* Streaming stores of n_bytes (see fastln_streaming_fence), in 16-byte pieces so that p needs
+ * only 16-byte alignment; bytes beyond the last whole piece are stored plainly. */
+FASTLN_INLINE void FASTLN_ISA(stream_bytes)(void *p, const void *v, size_t n_bytes)
+{
+    size_t done = 0;
+#if defined(__x86_64__)
+    for (; done + 16 <= n_bytes; done += 16) {
+        __m128i piece;
+        memcpy(&piece, (const char *)v + done, sizeof piece);
+        _mm_stream_si128((__m128i *)((char *)p + done), piece);
+    }
+#endif
+    memcpy((char *)p + done, (const char *)v + done, n_bytes - done);
+}
+
+#define FASTLN_STORAGE FASTLN_FLOAT16
+#include "fastln/storage.h"
+#undef FASTLN_STORAGE
+#define FASTLN_STORAGE FASTLN_BFLOAT16
+#include "fastln/storage.h"
+#undef FASTLN_STORAGE
+#define FASTLN_STORAGE FASTLN_FLOAT32
+#include "fastln/storage.h"
+#undef FASTLN_STORAGE
+#define FASTLN_STORAGE FASTLN_FLOAT64
+#include "fastln/storage.h"
+#undef FASTLN_STORAGE
+
+#undef FASTLN_ISA
+#undef FASTLN_VF
+#undef FASTLN_VD
+#undef FASTLN_VU32
+#undef FASTLN_VF_LANES
+#undef FASTLN_VD_LANES
+#undef FASTLN_PASS_VECTORS
+#undef FASTLN_PASS_SLOTS

@@ -1,0 +1,236 @@
+/* fastln's kernels: one dispatch table of task functions, [instruction set][storage type][task].
+ *
+ * Every operation is a few phases of tasks (fastln/entries.h) over a call structure that
+ * describes the arrays: fastln_rows_call for the row normalizations (LayerNorm, RMSNorm, the
+ * fused adds), fastln_bn_call for BatchNorm. The kernel templates (statistics, forward,
+ * backward, rare rows) are written once and instantiated here for each storage type - float16,
+ * bfloat16, float32, float64 (fastln/storage.h) - and each instruction-set variant - AVX-512,
+ * AVX2 + F16C, and the x86-64 baseline (fastln/isa.h); fastln_select_tasks picks the variant the
+ * CPU runs. The variants round identically (no fused multiply-adds, the same slot order for
+ * every sum), so the choice changes the speed, never a result. */
+#ifndef FASTLN_KERNELS_H
+#define FASTLN_KERNELS_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include "fastln/simd.h"
+#include "fastln/convert.h"
+
+#define FASTLN_PASTE(a, b) a##b
+#define FASTLN_XPASTE(a, b) FASTLN_PASTE(a, b)
+
+/* Storage types: the dtype codes the Python layer passes (fastln/_kernels.pyx). Macros, not an
+ * enum: fastln/storage.h tests them with #if. */
+#define FASTLN_FLOAT16 0
+#define FASTLN_BFLOAT16 1
+#define FASTLN_FLOAT32 2
+#define FASTLN_FLOAT64 3
+#define FASTLN_N_STORAGES 4
+
+/* Instruction-set variants. */
+enum { FASTLN_ISA_BASE = 0, FASTLN_ISA_AVX2 = 1, FASTLN_ISA_AVX512 = 2, FASTLN_N_ISAS = 3 };
+
+/* Tasks: the phases of every operation, in the order each operation runs them. */
+enum {
+    FASTLN_LAYER_NORM_FORWARD,          /* rows */
+    FASTLN_RMS_NORM_FORWARD,            /* rows */
+    FASTLN_ADD_LAYER_NORM_FORWARD,      /* rows */
+    FASTLN_ADD_RMS_NORM_FORWARD,        /* rows */
+    FASTLN_LAYER_NORM_BACKWARD,         /* row blocks, then FASTLN_COLUMN_SUMS */
+    FASTLN_RMS_NORM_BACKWARD,           /* row blocks, then FASTLN_COLUMN_SUMS */
+    FASTLN_COLUMN_SUMS,                 /* columns */
+    FASTLN_BN_FIRST_VALUES,             /* training forward: one task */
+    FASTLN_BN_STATISTICS,               /*   statistics tasks */
+    FASTLN_BN_TRAIN_CONSTANTS,          /*   one task */
+    FASTLN_BN_APPLY,                    /* both modes: write units */
+    FASTLN_BN_FINISH_RESCALED,          /* training, when *n_finish > 0: one task */
+    FASTLN_BN_BACKWARD_SUMS,            /* backward: statistics tasks */
+    FASTLN_BN_BACKWARD_CONSTANTS,       /*   one task */
+    FASTLN_BN_BACKWARD_APPLY,           /*   write units */
+    FASTLN_BN_BACKWARD_FINISH_RESCALED, /*   when *n_finish > 0: one task */
+    FASTLN_WIDEN,                       /* the half types' conversions alone: elements */
+    FASTLN_NARROW,
+    FASTLN_N_TASKS
+};
+
+/* Tasks [begin, end) of a call. */
+typedef void (*fastln_task)(const void *call, int64_t begin, int64_t end);
+
+/* A row normalization: n_rows rows of n_cols storage elements, row after row. Parameters and
+ * per-row statistics are in the parameter type (float for the 32-bit-and-narrower storage
+ * types, double for float64). */
+typedef struct {
+    const void *x, *residual, *dy;   /* input rows (residual: the fused adds; dy: backwards) */
+    void *y, *s, *dx;                /* output rows (s: the fused adds' sum) */
+    const void *gamma, *beta, *bias; /* n_cols parameters each, or NULL */
+    void *mean, *rstd;               /* n_rows statistics: written by forwards (NULL: not kept),
+                                      * read by backwards */
+    int64_t n_rows, n_cols;
+    double eps;
+    int streaming;                   /* outputs far larger than the caches: non-temporal stores */
+    /* Backwards: row blocks of rows_per_block rows, each with its own zeroed partial sums (one
+     * or two rows of n_cols doubles: dgamma, then dbeta) and, for the float32-compute types, its
+     * own zeroed float accumulators (two rows of n_cols); the column sums go to dgamma and dbeta
+     * (n_cols parameters; dbeta NULL for RMSNorm). */
+    int64_t n_blocks, rows_per_block;
+    double *partials;
+    float *accumulators;
+    void *dgamma, *dbeta;
+} fastln_rows_call;
+
+/* A BatchNorm: x viewed as (n_outer, n_features, n_inner); per-feature arrays in double. */
+typedef struct {
+    const void *x, *dy;
+    void *y, *dx;
+    int64_t n_outer, n_features, n_inner;
+    double eps;
+    int training;
+    const double *gamma, *beta;               /* or NULL */
+    const double *running_mean, *running_var; /* evaluation forward */
+    double *mean, *var, *rstd;                /* the statistics normalized with (var: training) */
+    void *dgamma_out, *dbeta_out;             /* backward: n_features parameters */
+    /* the layout (fastln_bn_layout) */
+    int64_t n_blocks, rows_per_block, n_chunks, n_units, rows_per_unit;
+    /* scratch: per-feature doubles, the block partials (zeroed), and the rare features */
+    double *shift, *center, *scale, *offset, *sum, *sumsq;
+    double *sum_dy, *sum_dy_d, *sum_d, *dgamma, *correction, *k, *mean_dy, *coef;
+    double *partials;
+    int64_t *finish, *n_finish;
+} fastln_bn_call;
+
+FASTLN_INLINE int64_t fastln_min(int64_t a, int64_t b) { return a < b ? a : b; }
+FASTLN_INLINE int64_t fastln_max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Backwards add their column sums over blocks of at least FASTLN_MIN_ROWS_PER_BLOCK rows, at
+ * most FASTLN_MAX_BLOCKS blocks: a function of n_rows only, never of the thread count. */
+#define FASTLN_MIN_ROWS_PER_BLOCK 32
+#define FASTLN_MAX_BLOCKS 64
+
+static inline int64_t fastln_row_blocks(int64_t n_rows)
+{
+    return fastln_min(fastln_max(n_rows / FASTLN_MIN_ROWS_PER_BLOCK, 1), FASTLN_MAX_BLOCKS);
+}
+
+#include "fastln/batch_norm.h"
+
+/* One row's LayerNorm statistics (ln_statistics): the sums are taken on x - shift (shift = x[0],
+ * or the mean where those sums overflow), and x_hat = ((x - shift) - mean_shifted) * rstd,
+ * rstd = 1 / sqrt(var + eps). Where rstd is beyond double's range (Inf: eps = 0 and a spread
+ * below ~1e-308), x_hat is ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled instead;
+ * otherwise rstd = ldexp(rstd_scaled, exponent) (exponent = 0 but on the rescaled path). var is
+ * 0 only for a constant row (and is in units of 4^-exponent). */
+typedef struct {
+    double shift, mean_shifted, var, rstd, rstd_scaled;
+    int exponent;
+} fastln_ln_stats;
+
+/* The one-pass variance sum(d * d) / n - mean(d)^2 is recomputed around the mean when the two
+ * terms cancel by more than this factor (4 bits): a row whose first element lies more than four
+ * standard deviations from its mean. */
+#define FASTLN_MAX_CANCELLATION 16.0
+
+/* Variances (and eps) below this are taken again on rescaled values: their squares may have
+ * underflowed in double. */
+#define FASTLN_TINY 1e-250
+
+/* A LayerNorm row's backward sums from its first pass, in double: sum(dx_hat), sum(dx_hat * d)
+ * with d = x - mean, mean(d) (the correction to the cache's mean) and sum(dx_hat * x_hat); n_cols
+ * is the row's length (the write pass may be given a piece of the row). */
+typedef struct {
+    double mean, rstd, mean_correction, total_dxhat, total_dxhat_d, total_dxhat_xhat;
+    int64_t n_cols;
+} fastln_ln_backward_sums;
+
+/* The same as the float write pass uses them. */
+typedef struct {
+    float mean_head, mean_tail, rstd, mean_dxhat, mean_dxhat_xhat;
+} fastln_ln_backward_floats;
+
+/* An RMSNorm row's constants for the backward's write pass: x_hat = x * x_scale,
+ * dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat)). */
+typedef struct {
+    double rstd, x_scale, mean_dxhat_xhat;
+} fastln_rms_backward_row;
+
+/* x_hat = x * fastln_rms_x_scale(rstd): rstd, except 0 for the Inf rstd of an all-zero row
+ * with eps = 0 (x_hat is 0 there, as LayerNorm's for a constant row, not 0 * Inf = NaN). */
+FASTLN_INLINE double fastln_rms_x_scale(double rstd)
+{
+    return rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
+}
+
+/* Backward rows go through the write pass in groups of this many (layer_norm_backward_rows,
+ * rms_norm_backward_rows); the float32-compute types' float dgamma/dbeta accumulators are
+ * folded into the double partial sums every FASTLN_ROWS_PER_FLUSH rows of a block (a multiple
+ * of the group). */
+#define FASTLN_BACKWARD_GROUP 8
+#define FASTLN_ROWS_PER_FLUSH 16
+
+/* partials += accumulators, and the accumulators cleared. */
+FASTLN_INLINE void fastln_flush_accumulators(float *FASTLN_RESTRICT accumulators,
+                                             double *FASTLN_RESTRICT partials, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) {
+        partials[j] += (double)accumulators[j];
+        accumulators[j] = 0.0f;
+    }
+}
+
+/* ---- the instruction-set variants ---------------------------------------------------------- */
+
+#if FASTLN_X86_VARIANTS
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#define FASTLN_ISA_SUFFIX _v4
+#include "fastln/isa.h"
+#undef FASTLN_ISA_SUFFIX
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+#define FASTLN_ISA_SUFFIX _v3
+#include "fastln/isa.h"
+#undef FASTLN_ISA_SUFFIX
+#pragma GCC pop_options
+#endif
+
+#define FASTLN_ISA_SUFFIX _base
+#include "fastln/isa.h"
+#undef FASTLN_ISA_SUFFIX
+
+#define FASTLN_STORAGE_ROWS(suffix)                                                          \
+    { fastln_tasks_f16##suffix, fastln_tasks_bf16##suffix, fastln_tasks_f32##suffix,         \
+      fastln_tasks_f64##suffix }
+
+static const fastln_task *const fastln_tasks_base[FASTLN_N_STORAGES] = FASTLN_STORAGE_ROWS(_base);
+#if FASTLN_X86_VARIANTS
+static const fastln_task *const fastln_tasks_v3[FASTLN_N_STORAGES] = FASTLN_STORAGE_ROWS(_v3);
+static const fastln_task *const fastln_tasks_v4[FASTLN_N_STORAGES] = FASTLN_STORAGE_ROWS(_v4);
+#endif
+
+/* The best variant this CPU runs. */
+static inline int fastln_cpu_isa(void)
+{
+#if FASTLN_X86_VARIANTS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4")) return FASTLN_ISA_AVX512;
+    if (__builtin_cpu_supports("x86-64-v3")) return FASTLN_ISA_AVX2;
+#endif
+    return FASTLN_ISA_BASE;
+}
+
+/* The task of a storage type in a variant's dispatch table. isa must not exceed
+ * fastln_cpu_isa(), nor storage and task their counts. */
+static inline fastln_task fastln_task_for(int isa, int storage, int task)
+{
+#if FASTLN_X86_VARIANTS
+    if (isa == FASTLN_ISA_AVX512) return fastln_tasks_v4[storage][task];
+    if (isa == FASTLN_ISA_AVX2) return fastln_tasks_v3[storage][task];
+#endif
+    (void)isa;
+    return fastln_tasks_base[storage][task];
+}
+
+#endif /* FASTLN_KERNELS_H */

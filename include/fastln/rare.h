@@ -1,0 +1,433 @@
+/* The rows (and BatchNorm features) the vector passes cannot take, for one storage type
+ * (fastln/storage.h): values whose squares or products leave double's range, rstds beyond the
+ * cache's range, constant rows with eps = 0. Plain loops in a fixed order, every scaling an
+ * exact power of two (ldexp), called from the hot kernels' exits for a handful of rows at most.
+ * No include guard on purpose.
+ *
+ * The backward's dgamma/dbeta accumulators are FASTLN_P: float for the float32-compute types
+ * (folded into double partial sums by the caller), double for float64. */
+
+/* ---- LayerNorm -------------------------------------------------------------------------- */
+
+/* y = gamma * x_hat + beta for a row whose rstd is beyond double's range (eps = 0 and a spread
+ * below ~1e-308), with x_hat = ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled: each
+ * deviation is brought to about 1 first. In place is fine. */
+static void FASTLN_NAME(ln_write_rescaled)(const FASTLN_T *x, const FASTLN_P *gamma,
+                                           const FASTLN_P *beta, FASTLN_T *y, int64_t n_cols,
+                                           const fastln_ln_stats *stats)
+{
+    for (int64_t j = 0; j < n_cols; j++) {
+        double value = ldexp((FASTLN_NAME(to_double)(x[j]) - stats->shift) - stats->mean_shifted,
+                             stats->exponent) * stats->rstd_scaled;
+        if (gamma) value *= (double)gamma[j];
+        if (beta) value += (double)beta[j];
+        y[j] = FASTLN_NAME(from_double)(value);
+    }
+}
+
+FASTLN_INLINE double FASTLN_NAME(dx_hat)(const FASTLN_T *dy, const FASTLN_P *gamma, int64_t j)
+{
+    const double dy_j = FASTLN_NAME(to_double)(dy[j]);
+    return gamma ? dy_j * (double)gamma[j] : dy_j;
+}
+
+/* Backward of a row from its statistics taken again from x (ln_statistics), all in double:
+ *     x_hat = ldexp((x - shift) - mean_shifted, e) * rstd_scaled          (|x_hat| <= sqrt(n))
+ *     g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|                   (|g| < 1)
+ *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), e + k)
+ * so no product leaves double's range unless dx itself does. For the rows the vector passes
+ * cannot take: an rstd beyond the cache's range (Inf: float32 subnormal spreads, float64 ones
+ * with eps = 0), or dy * (x - mean) beyond double's (|x| and |dy| near 1e300, or both tiny).
+ * dx may be dy. */
+static void FASTLN_NAME(ln_backward_row_recomputed)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_cols,
+    double eps, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc)
+{
+    fastln_ln_stats stats;
+    FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
+    double largest = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double dx_hat = FASTLN_NAME(dx_hat)(dy, gamma, j);
+        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
+    }
+    int k = 0;
+    if (largest > 0.0) frexp(largest, &k);
+    double sum_g = 0.0, sum_g_xhat = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double x_hat = ldexp((FASTLN_NAME(to_double)(x[j]) - stats.shift)
+                                   - stats.mean_shifted, stats.exponent) * stats.rstd_scaled;
+        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
+        sum_g += g;
+        sum_g_xhat += g * x_hat;
+    }
+    const double mean_g = sum_g / (double)n_cols;
+    const double mean_g_xhat = sum_g_xhat / (double)n_cols;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double x_hat = ldexp((FASTLN_NAME(to_double)(x[j]) - stats.shift)
+                                   - stats.mean_shifted, stats.exponent) * stats.rstd_scaled;
+        const double dy_j = FASTLN_NAME(to_double)(dy[j]);
+        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
+        dgamma_acc[j] += (FASTLN_P)(dy_j * x_hat);
+        dbeta_acc[j] += (FASTLN_P)dy_j;
+        dx[j] = FASTLN_NAME(from_double)(
+            ldexp(stats.rstd_scaled * ((g - mean_g) - x_hat * mean_g_xhat), stats.exponent + k));
+    }
+}
+
+/* The rows whose first pass did not give a finite sum(dx_hat * x_hat): returns 0 when the vector
+ * write pass should still do the row (a NaN or Inf in it: their NaN keeps flowing as it always
+ * has), 1 when the row is done here. */
+static int FASTLN_NAME(ln_backward_row_rare)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_cols,
+    double rstd, double eps, double total_dxhat, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc)
+{
+    if (isnan(rstd)) return 0;
+    const FASTLN_C first = FASTLN_NAME(to_compute)(x[0]);
+    int constant = 1, finite = 1;
+    for (int64_t j = 0; j < n_cols; j++) {
+        constant &= FASTLN_NAME(to_compute)(x[j]) == first;
+        finite &= isfinite(FASTLN_NAME(to_double)(dy[j])) && isfinite(FASTLN_NAME(to_double)(x[j]))
+                  && (!gamma || isfinite((double)gamma[j]));
+    }
+    if (isinf(rstd) && constant) {
+        /* A constant row with eps = 0 (or with an eps so small that 1 / sqrt(eps) is beyond a
+         * float32 cache): the forward wrote beta (x_hat = 0), so dgamma gets nothing from it and
+         * dx = rstd * (dx_hat - mean(dx_hat)) with the row's true rstd, 1 / sqrt(eps): infinite
+         * or NaN with eps = 0, 0 where dy is constant. */
+        const double n = (double)n_cols;
+        const double row_rstd = 1.0 / sqrt(eps);
+        for (int64_t j = 0; j < n_cols; j++) {
+            const double dy_j = FASTLN_NAME(to_double)(dy[j]);
+            dgamma_acc[j] += (FASTLN_P)(dy_j * 0.0); /* x_hat = 0; NaN in dy stays NaN */
+            dbeta_acc[j] += (FASTLN_P)dy_j;
+            dx[j] = FASTLN_NAME(from_double)(row_rstd
+                                             * (FASTLN_NAME(dx_hat)(dy, gamma, j) - total_dxhat / n));
+        }
+        return 1;
+    }
+    /* An Inf rstd of a row that is not constant is the cache's way of saying "beyond my range":
+     * the row is done from x, whatever dy holds. With a finite rstd only overflow brings a row
+     * here when its values are all finite. */
+    if (!isinf(rstd) && !finite) return 0;
+    FASTLN_NAME(ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc, dbeta_acc);
+    return 1;
+}
+
+#if !FASTLN_COMPUTE_F32
+/* Whether every element is zero (padding rows of dy take this test). */
+FASTLN_INLINE int FASTLN_NAME(all_zero)(const FASTLN_T *v, int64_t n)
+{
+    int any = 0;
+    for (int64_t j = 0; j < n; j++) any |= v[j] != 0.0;
+    return !any;
+}
+
+/* Whether a float64 row's products dx_hat * (x - mean) may have fallen below double's normal
+ * range, taking their digits with them: |dy| and |x - mean| both tiny (say 1e-310 and 1e-150,
+ * whose squares are fine). A product below DBL_MIN is off by up to DBL_MIN * 2^-53; n of them
+ * stay below 2^-53 of the row's largest product when that is n * DBL_MIN or more. (float32
+ * products, formed in double, cannot underflow.) */
+static int FASTLN_NAME(ln_backward_products_underflow)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double mean, int64_t n_cols)
+{
+    double largest_dxhat = 0.0, largest_d = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        largest_dxhat = fmax(largest_dxhat, fabs(FASTLN_NAME(dx_hat)(dy, gamma, j)));
+        largest_d = fmax(largest_d, fabs(x[j] - mean));
+    }
+    return largest_dxhat > 0.0 && largest_d > 0.0
+           && largest_dxhat * largest_d < (double)n_cols * DBL_MIN;
+}
+#endif
+
+/* ---- RMSNorm ---------------------------------------------------------------------------- */
+
+/* y = gamma * (ldexp(x, exponent) * rstd_scaled) for a row whose rstd is beyond double's range
+ * (eps = 0 and values below ~1e-308): each value is brought to about 1 first. In place is
+ * fine. */
+static void FASTLN_NAME(rms_write_rescaled)(const FASTLN_T *x, const FASTLN_P *gamma,
+                                            FASTLN_T *y, int64_t n_cols, int exponent,
+                                            double rstd_scaled)
+{
+    for (int64_t i = 0; i < n_cols; i++) {
+        double value = ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled;
+        if (gamma) value *= (double)gamma[i];
+        y[i] = FASTLN_NAME(from_double)(value);
+    }
+}
+
+/* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is
+ * beyond the cache's range (float32 values below ~1e-38, float64 ones below ~1e-308 with
+ * eps = 0), so it is taken again from x, all in double:
+ *     x_hat = ldexp(x, e) * rstd_scaled,   g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|
+ *     dx = ldexp(rstd_scaled * (g - x_hat * mean(g * x_hat)), e + k)
+ * Returns 0 (and does nothing) for an all-zero row. dx may be dy. */
+static int FASTLN_NAME(rms_backward_row_recomputed)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double eps, FASTLN_T *dx,
+    int64_t n_cols, double *dgamma_acc)
+{
+    double rstd_scaled = FASTLN_NAME(rms_row_rstd)(x, n_cols, eps);
+    int exponent = 0;
+    if (isinf(rstd_scaled))
+        rstd_scaled = FASTLN_NAME(rms_rescaled_rstd)(x, n_cols, eps, &exponent);
+    if (isinf(rstd_scaled)) return 0; /* all zeros with eps = 0 */
+    double largest = 0.0;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double dx_hat = FASTLN_NAME(dx_hat)(dy, gamma, i);
+        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
+    }
+    int k = 0;
+    if (largest > 0.0) frexp(largest, &k);
+    double sum_g_xhat = 0.0;
+    for (int64_t i = 0; i < n_cols; i++)
+        sum_g_xhat += ldexp(FASTLN_NAME(dx_hat)(dy, gamma, i), -k)
+                      * (ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled);
+    const double mean_g_xhat = sum_g_xhat / (double)n_cols;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double dy_i = FASTLN_NAME(to_double)(dy[i]);
+        const double x_hat = ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled;
+        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, i), -k);
+        dgamma_acc[i] += dy_i * x_hat;
+        dx[i] = FASTLN_NAME(from_double)(ldexp(rstd_scaled * (g - x_hat * mean_g_xhat),
+                                               exponent + k));
+    }
+    return 1;
+}
+
+/* ---- BatchNorm: features whose statistics leave double's range --------------------------
+ *
+ * Plain loops over one feature's values in memory order (segments of n_inner values,
+ * n_features * n_inner apart, from x + feature * n_inner). */
+
+FASTLN_INLINE double FASTLN_NAME(bn_value)(const FASTLN_T *column, int64_t n_features,
+                                           int64_t n_inner, int64_t k, int64_t l)
+{
+    return FASTLN_NAME(to_double)(column[k * n_features * n_inner + l]);
+}
+
+/* The mean of a feature whose shifted sum overflowed (values near double's largest), from its
+ * values scaled so that the largest is below 1, still shifted by `shift`. Not finite when the
+ * feature holds an Inf. */
+static double FASTLN_NAME(bn_rescaled_mean)(const FASTLN_T *x, int64_t n_outer,
+                                            int64_t n_features, int64_t n_inner, int64_t feature,
+                                            double shift)
+{
+    const FASTLN_T *column = x + feature * n_inner;
+    double largest = 0.0;
+    for (int64_t k = 0; k < n_outer; k++)
+        for (int64_t l = 0; l < n_inner; l++)
+            largest = fmax(largest, fabs(FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l)));
+    if (isinf(largest)) return largest;
+    int exponent;
+    frexp(largest, &exponent);
+    const double shift_scaled = ldexp(shift, -exponent);
+    double sum = 0.0;
+    for (int64_t k = 0; k < n_outer; k++)
+        for (int64_t l = 0; l < n_inner; l++)
+            sum += ldexp(FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l), -exponent)
+                   - shift_scaled;
+    return ldexp(shift_scaled + sum / (double)(n_outer * n_inner), exponent);
+}
+
+/* The deviations d = x - mean of a feature, scaled by the power of two 2^exponent that brings
+ * the largest into [0.5, 1): their mean `center` (small: the rounding of `mean`) and their
+ * variance about it. Returns 0, and leaves the outputs alone, when there is nothing to rescale:
+ * a constant feature, or deviations beyond double (an Inf, or values of both signs near
+ * double's largest). Callers never pass a feature holding NaN. */
+static int FASTLN_NAME(bn_rescaled_moments)(const FASTLN_T *x, int64_t n_outer,
+                                            int64_t n_features, int64_t n_inner,
+                                            int64_t feature, double mean, int *exponent_out,
+                                            double *center_out, double *var_out)
+{
+    const FASTLN_T *column = x + feature * n_inner;
+    double largest = 0.0;
+    for (int64_t k = 0; k < n_outer; k++)
+        for (int64_t l = 0; l < n_inner; l++)
+            largest = fmax(largest,
+                           fabs(FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l) - mean));
+    if (!(largest > 0.0) || isinf(largest)) return 0;
+    int exponent;
+    frexp(largest, &exponent);
+    exponent = -exponent;
+    double sum = 0.0, sumsq = 0.0;
+    for (int64_t k = 0; k < n_outer; k++)
+        for (int64_t l = 0; l < n_inner; l++) {
+            const double d =
+                ldexp(FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l) - mean, exponent);
+            sum += d;
+            sumsq += d * d;
+        }
+    const double count = (double)(n_outer * n_inner);
+    const double center = sum / count;
+    const double var = sumsq / count - center * center;
+    *exponent_out = exponent;
+    *center_out = center;
+    *var_out = var < 0.0 ? 0.0 : var;
+    return 1;
+}
+
+/* Training forward, after fastln_bn_train_constants: the features whose statistics left
+ * double's range there - squares or sums that overflowed (NaN or Inf variance, finite or
+ * infinite mean: |x| beyond ~1e154), or a variance below FASTLN_BN_TINY with eps below it too
+ * (squares that underflowed) - are taken again on rescaled deviations, and their statistics and
+ * write-pass constants replaced. Features holding NaN or Inf stay as they are.
+ *
+ * var and rstd get the true values rounded to double, out of range included: var is inf for
+ * spreads beyond ~1e154 and 0 below ~1e-162, rstd inf for spreads below ~5e-309 with eps = 0.
+ * When the write pass's scale rstd * gamma is out of range itself, the feature gets constants
+ * that copy it into y unchanged, and its index goes to c->finish: bn_finish_rescaled normalizes
+ * it there after the write pass. Sets *c->n_finish. */
+static void FASTLN_NAME(bn_rescale_train)(const FASTLN_T *x, const fastln_bn_call *c)
+{
+    *c->n_finish = 0;
+    for (int64_t f = 0; f < c->n_features; f++) {
+        const int overflowed = !isnan(c->center[f]) && !isfinite(c->var[f]);
+        const int underflowed = c->var[f] < FASTLN_BN_TINY && c->eps < FASTLN_BN_TINY;
+        if (!overflowed && !underflowed) continue;
+        /* center is the shifted mean: not finite when the shifted sum itself overflowed */
+        const double feature_mean = isfinite(c->center[f])
+            ? c->mean[f]
+            : FASTLN_NAME(bn_rescaled_mean)(x, c->n_outer, c->n_features, c->n_inner, f,
+                                            c->shift[f]);
+        int exponent;
+        double center_scaled, var_scaled;
+        if (!isfinite(feature_mean)
+            || !FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f,
+                                                 feature_mean, &exponent, &center_scaled,
+                                                 &var_scaled))
+            continue;
+        const double rstd_scaled = fastln_bn_scaled_rstd(var_scaled, c->eps, exponent);
+        const double scale_scaled = c->gamma ? rstd_scaled * c->gamma[f] : rstd_scaled;
+        c->mean[f] = feature_mean;
+        c->var[f] = ldexp(var_scaled, -2 * exponent);
+        c->rstd[f] = ldexp(rstd_scaled, exponent);
+        if (fastln_bn_in_range(scale_scaled, exponent)) {
+            c->shift[f] = feature_mean;
+            c->center[f] = ldexp(center_scaled, -exponent);
+            c->scale[f] = ldexp(scale_scaled, exponent);
+        } else { /* ((x - 0) - 0) * 1 + (-0) is x, -0 included */
+            c->shift[f] = 0.0;
+            c->center[f] = 0.0;
+            c->scale[f] = 1.0;
+            c->offset[f] = -0.0;
+            c->finish[(*c->n_finish)++] = f;
+        }
+    }
+}
+
+/* Normalizes in y the features that bn_rescale_train passed on (y holds their values, copied
+ * there by the write pass), from the same rescaled moments:
+ *     y = (d_scaled - center_scaled) * rstd_scaled * gamma + beta,  d_scaled = (x - mean) 2^e. */
+static void FASTLN_NAME(bn_finish_rescaled)(FASTLN_T *y, const fastln_bn_call *c)
+{
+    const int64_t stride = c->n_features * c->n_inner;
+    for (int64_t i = 0; i < *c->n_finish; i++) {
+        const int64_t f = c->finish[i];
+        const double mean = c->mean[f];
+        int exponent;
+        double center_scaled, var_scaled;
+        if (!FASTLN_NAME(bn_rescaled_moments)(y, c->n_outer, c->n_features, c->n_inner, f, mean,
+                                              &exponent, &center_scaled, &var_scaled))
+            continue; /* not reached: these are the values the forward rescaled */
+        const double rstd_scaled = fastln_bn_scaled_rstd(var_scaled, c->eps, exponent);
+        const double scale = c->gamma ? rstd_scaled * c->gamma[f] : rstd_scaled;
+        const double offset = c->beta ? c->beta[f] : 0.0;
+        FASTLN_T *column = y + f * c->n_inner;
+        for (int64_t k = 0; k < c->n_outer; k++)
+            for (int64_t l = 0; l < c->n_inner; l++) {
+                FASTLN_T *value = column + k * stride + l;
+                const double d = ldexp(FASTLN_NAME(to_double)(*value) - mean, exponent);
+                *value = FASTLN_NAME(from_double)((d - center_scaled) * scale + offset);
+            }
+    }
+}
+
+/* Training backward, after fastln_bn_backward_constants: the features whose sums may have left
+ * double's range - rstd above FASTLN_BN_RSTD_HUGE or below double's normal numbers (tiny or huge
+ * spreads), or a sum of dy * d that overflowed (huge x and huge dy) - are summed again on the
+ * forward's rescaled deviations d_scaled = (x - mean) 2^e (from the cache's mean):
+ *     dgamma = rstd_scaled * (sum(dy * d_scaled) - center_scaled * sum(dy)),
+ * and their dx constants replaced (correction, coef and k = gamma * rstd are 2^e-scalings of
+ * center_scaled, rstd_scaled * dgamma / count and gamma * rstd_scaled). When k or coef is out
+ * of range, the feature gets constants that copy dy into dx unchanged, and its index goes to
+ * c->finish for bn_finish_rescaled_backward. Sets *c->n_finish. */
+static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T *x,
+                                             const fastln_bn_call *c)
+{
+    const double count = (double)(c->n_outer * c->n_inner);
+    const int64_t stride = c->n_features * c->n_inner;
+    *c->n_finish = 0;
+    for (int64_t f = 0; f < c->n_features; f++) {
+        const double rstd = c->rstd[f];
+        const int out_of_range = rstd > FASTLN_BN_RSTD_HUGE || rstd < DBL_MIN;
+        const int overflowed =
+            !isfinite(c->sum_dy_d[f]) && isfinite(c->sum_dy[f]) && isfinite(c->sum_d[f]);
+        if (!out_of_range && !overflowed) continue;
+        int exponent;
+        double center_scaled, var_scaled;
+        if (!FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f,
+                                              c->mean[f], &exponent, &center_scaled, &var_scaled))
+            continue; /* constant (x_hat = 0, as fastln_bn_backward_constants has it), or beyond */
+        const double rstd_scaled = fastln_bn_backward_scaled_rstd(rstd, var_scaled, c->eps,
+                                                                  exponent);
+        const FASTLN_T *dy_column = dy + f * c->n_inner;
+        const FASTLN_T *x_column = x + f * c->n_inner;
+        double sum_dy_d_scaled = 0.0;
+        for (int64_t k = 0; k < c->n_outer; k++)
+            for (int64_t l = 0; l < c->n_inner; l++) {
+                const int64_t at = k * stride + l;
+                sum_dy_d_scaled += FASTLN_NAME(to_double)(dy_column[at])
+                                   * ldexp(FASTLN_NAME(to_double)(x_column[at]) - c->mean[f],
+                                           exponent);
+            }
+        const double dgamma = rstd_scaled * (sum_dy_d_scaled - center_scaled * c->sum_dy[f]);
+        const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
+        const double coef_scaled = rstd_scaled * dgamma / count;
+        c->dgamma[f] = dgamma;
+        if (fastln_bn_in_range(k_scaled, exponent) && fastln_bn_in_range(coef_scaled, exponent)) {
+            c->correction[f] = ldexp(center_scaled, -exponent);
+            c->k[f] = ldexp(k_scaled, exponent);
+            c->coef[f] = ldexp(coef_scaled, exponent);
+        } else { /* 1 * ((dy - 0) - ((x - mean) - 0) * 0) is dy */
+            c->correction[f] = 0.0;
+            c->k[f] = 1.0;
+            c->mean_dy[f] = 0.0;
+            c->coef[f] = 0.0;
+            c->finish[(*c->n_finish)++] = f;
+        }
+    }
+}
+
+/* dx of the features that bn_rescale_backward passed on (dx holds their dy, copied there by the
+ * dx pass), with the same rescaled constants:
+ *     dx = 2^e * k_scaled * ((dy - mean_dy) - (d_scaled - center_scaled) * coef_scaled). */
+static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_T *x,
+                                                     const fastln_bn_call *c)
+{
+    const double count = (double)(c->n_outer * c->n_inner);
+    const int64_t stride = c->n_features * c->n_inner;
+    for (int64_t i = 0; i < *c->n_finish; i++) {
+        const int64_t f = c->finish[i];
+        const double mean = c->mean[f];
+        int exponent;
+        double center_scaled, var_scaled;
+        if (!FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f, mean,
+                                              &exponent, &center_scaled, &var_scaled))
+            continue; /* not reached: bn_rescale_backward took these moments */
+        const double rstd_scaled = fastln_bn_backward_scaled_rstd(c->rstd[f], var_scaled, c->eps,
+                                                                  exponent);
+        const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
+        const double coef_scaled = rstd_scaled * c->dgamma[f] / count;
+        const double mean_dy = c->sum_dy[f] / count;
+        FASTLN_T *dx_column = dx + f * c->n_inner;
+        const FASTLN_T *x_column = x + f * c->n_inner;
+        for (int64_t k = 0; k < c->n_outer; k++)
+            for (int64_t l = 0; l < c->n_inner; l++) {
+                const int64_t at = k * stride + l;
+                const double d = ldexp(FASTLN_NAME(to_double)(x_column[at]) - mean, exponent);
+                const double dy_centred = FASTLN_NAME(to_double)(dx_column[at]) - mean_dy;
+                dx_column[at] = FASTLN_NAME(from_double)(
+                    ldexp(k_scaled * (dy_centred - (d - center_scaled) * coef_scaled), exponent));
+            }
+    }
+}

@@ -1,0 +1,106 @@
+/* What every kernel shares: vector types, the fixed order of every sum, alignment helpers.
+ * C11 with GCC/Clang vector extensions: no Python, no allocation, no globals. */
+#ifndef FASTLN_SIMD_H
+#define FASTLN_SIMD_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define FASTLN_RESTRICT __restrict__
+
+/* Helpers must be inlined into the kernels that call them: an out-of-line copy would be
+ * compiled for one instruction set only, and every variant of a kernel would call it. */
+#define FASTLN_INLINE static inline __attribute__((always_inline))
+
+/* The per-row (and per-piece) passes are functions of their own, compiled once per storage type
+ * and instruction set (each lives inside its variant's target region, so it is compiled for that
+ * instruction set): a call per row costs nothing next to the row, and inlining every pass into
+ * every caller would multiply the code, and the build time, several times over. */
+#define FASTLN_OUTLINED static __attribute__((noinline))
+
+/* Loops over a pass's accumulators are unrolled so that the accumulators live in registers;
+ * left rolled (the compiler's choice in a large translation unit) they round-trip through the
+ * stack on every iteration. */
+#if defined(__clang__)
+#define FASTLN_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define FASTLN_UNROLL _Pragma("GCC unroll 16")
+#else
+#define FASTLN_UNROLL
+#endif
+
+/* Vector types, named for what they hold. Each instruction-set variant works in its native
+ * width (fastln/isa.h): 16 floats and 8 doubles with AVX-512, 8 and 4 with AVX2, 4 and 2 with
+ * SSE2. */
+typedef float fastln_f32x4 __attribute__((vector_size(16)));
+typedef float fastln_f32x8 __attribute__((vector_size(32)));
+typedef float fastln_f32x16 __attribute__((vector_size(64)));
+typedef double fastln_f64x2 __attribute__((vector_size(16)));
+typedef double fastln_f64x4 __attribute__((vector_size(32)));
+typedef double fastln_f64x8 __attribute__((vector_size(64)));
+typedef uint32_t fastln_u32x4 __attribute__((vector_size(16)));
+typedef uint32_t fastln_u32x8 __attribute__((vector_size(32)));
+typedef uint32_t fastln_u32x16 __attribute__((vector_size(64)));
+typedef int64_t fastln_i64x2 __attribute__((vector_size(16)));
+typedef int64_t fastln_i64x4 __attribute__((vector_size(32)));
+typedef int64_t fastln_i64x8 __attribute__((vector_size(64)));
+
+/* Every sum over a row (or a segment of a BatchNorm feature) keeps FASTLN_SLOTS partial sums:
+ * element i of the row adds to slot i % FASTLN_SLOTS, and the slots are added by one fixed
+ * tree (fastln_reduce_slots). The order of every sum is a function of the row's length alone -
+ * never of its address, its batch, the thread count or the instruction set. A row's last
+ * partial block of FASTLN_SLOTS elements is padded with values that add exactly +0 (a slot
+ * starts at +0 and can never hold -0, so adding +0 changes nothing). */
+#define FASTLN_SLOTS 32
+
+/* The fixed tree over the slots: four groups of eight added pairwise, then the eight. */
+FASTLN_INLINE double fastln_reduce_slots(const double slots[FASTLN_SLOTS])
+{
+    double lanes[8];
+    for (int l = 0; l < 8; l++)
+        lanes[l] = (slots[l] + slots[8 + l]) + (slots[16 + l] + slots[24 + l]);
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+           + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+FASTLN_INLINE int fastln_is_aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15) == 0;
+}
+
+/* How many of a row's first elements (of `size` bytes, at most n) to write on their own so that
+ * the row's vector stores after them start on a 64-byte cache line: a store that straddles two
+ * lines costs two, and NumPy's outputs are only 16-byte aligned. 0 when p is on a line already,
+ * or not even aligned to its element size (then nothing can help). The write passes are
+ * elementwise, so the split never changes a result. */
+FASTLN_INLINE int64_t fastln_elements_to_line(const void *p, size_t size, int64_t n)
+{
+    const size_t offset = (size_t)((uintptr_t)p & 63);
+    if (offset == 0 || offset % size != 0) return 0;
+    const int64_t head = (int64_t)((64 - offset) / size);
+    return head < n ? head : n;
+}
+
+/* Non-temporal ("streaming") stores write around the caches: for outputs far larger than the
+ * cache they save the read-for-ownership of every output line and leave the cache to the
+ * inputs. Every x86-64 CPU has them (SSE2); passes that used them end with this fence. */
+FASTLN_INLINE void fastln_streaming_fence(void)
+{
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
+/* Builds where the instruction-set variants are compiled (fastln/kernels.h); elsewhere only the
+ * portable one is. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(FASTLN_NO_DISPATCH)
+#define FASTLN_X86_VARIANTS 1
+#else
+#define FASTLN_X86_VARIANTS 0
+#endif
+
+#endif /* FASTLN_SIMD_H */

@@ -1,0 +1,326 @@
+/* Statistics of a row (LayerNorm, RMSNorm) and of a BatchNorm feature, in double, for one storage
+ * type (fastln/storage.h). No include guard on purpose.
+ *
+ * Every sum keeps the slots of fastln/simd.h: a pass over the row adds each FASTLN_SLOTS-element
+ * block into FASTLN_PASS_VECTORS accumulators (one pass per FASTLN_PASS_SLOTS slots), and the
+ * row's last partial block comes from a padded copy whose padding adds exactly +0. */
+
+/* ---- LayerNorm: mean and variance ------------------------------------------------------- */
+
+/* sum += d and sumsq += d * d, d = x - shift, for one block's elements of this pass's slots
+ * (from the row, or from the padded last block when x is NULL). */
+FASTLN_INLINE void FASTLN_NAME(ln_add_block)(const FASTLN_T *x, const FASTLN_P *padded,
+                                             int64_t at, double shift,
+                                             FASTLN_VD sum[FASTLN_PASS_VECTORS],
+                                             FASTLN_VD sumsq[FASTLN_PASS_VECTORS])
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_PASS_VECTORS / 2; j++) {
+        FASTLN_VD low, high;
+        FASTLN_NAME(load_wide_from)(x, padded, at + j * FASTLN_VF_LANES, &low, &high);
+        low -= shift;
+        high -= shift;
+        sum[2 * j] += low;
+        sumsq[2 * j] += low * low;
+        sum[2 * j + 1] += high;
+        sumsq[2 * j + 1] += high * high;
+    }
+}
+
+/* sum(d) and sum(d * d) over a row, d = x - shift, for a shift that is a compute-type value (it
+ * pads the last block: d = 0 there). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_sums)(const FASTLN_T *x, int64_t n_cols, double shift,
+                                        double *sum_out, double *sumsq_out)
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[FASTLN_SLOTS];
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++)
+            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k])
+                                             : (FASTLN_C)shift;
+    double sum_slots[FASTLN_SLOTS], sumsq_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum[FASTLN_PASS_VECTORS] = {0}, sumsq[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
+            FASTLN_NAME(ln_add_block)(x, NULL, i + first, shift, sum, sumsq);
+        if (n_whole < n_cols) FASTLN_NAME(ln_add_block)(NULL, padded, first, shift, sum, sumsq);
+        memcpy(sum_slots + first, sum, sizeof sum);
+        memcpy(sumsq_slots + first, sumsq, sizeof sumsq);
+    }
+    *sum_out = fastln_reduce_slots(sum_slots);
+    *sumsq_out = fastln_reduce_slots(sumsq_slots);
+}
+
+/* The mean of a row of finite values whose sums around x[0] overflow double (float64 values
+ * near DBL_MAX), summed on the values scaled by 2^-k with n_cols < 2^k, a sum that cannot
+ * overflow; 0 (no mean) when the row holds a NaN or an Inf, which stays NaN. Rare: a plain
+ * loop. */
+static int FASTLN_NAME(ln_wide_mean)(const FASTLN_T *x, int64_t n_cols, double *mean_out)
+{
+    int k;
+    frexp((double)n_cols, &k);
+    double sum = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double value = FASTLN_NAME(to_double)(x[j]);
+        if (!isfinite(value)) return 0;
+        sum += ldexp(value, -k);
+    }
+    *mean_out = ldexp(sum / (double)n_cols, k);
+    return 1;
+}
+
+/* rstd of a row whose squares leave double's range, from its deviations around `mean` scaled by
+ * the power of two 2^exponent that brings the largest into [0.5, 1). ldexp scales exactly, also
+ * by powers of two beyond double's range (a subnormal spread needs up to 2^1074). Returns
+ * rstd * 2^-exponent; *exponent_out gets the exponent, whose rstd itself may be beyond double
+ * (eps = 0 and a spread below ~1e-308). var_out gets the scaled variance (0 only for a constant
+ * row), residual_out the mean of x - mean (0 for a constant row, NaN where x - mean is beyond
+ * double). Rare: plain loops in a fixed order. */
+static double FASTLN_NAME(ln_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, double mean,
+                                            double eps, double *var_out, int *exponent_out,
+                                            double *residual_out)
+{
+    double largest = 0.0;
+    for (int64_t j = 0; j < n_cols; j++)
+        largest = fmax(largest, fabs(FASTLN_NAME(to_double)(x[j]) - mean));
+    *var_out = 0.0;
+    *exponent_out = 0;
+    *residual_out = isinf(largest) ? NAN : 0.0;
+    if (!(largest > 0.0) || isinf(largest)) return 1.0 / sqrt(eps); /* constant row; or beyond */
+    int exponent;
+    frexp(largest, &exponent);
+    double sum = 0.0, sumsq = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double d = ldexp(FASTLN_NAME(to_double)(x[j]) - mean, -exponent);
+        sum += d;
+        sumsq += d * d;
+    }
+    const double mean_scaled = sum / (double)n_cols;
+    *residual_out = ldexp(mean_scaled, exponent);
+    double var = sumsq / (double)n_cols - mean_scaled * mean_scaled;
+    if (var < 0.0) var = 0.0;
+    *var_out = var;
+    /* 1 / sqrt(var * 4^exponent + eps) = 2^-exponent / sqrt(var + eps * 4^-exponent). Where
+     * eps * 4^-exponent passes DBL_MAX, it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
+    const double eps_scaled = ldexp(eps, -2 * exponent);
+    if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps);
+    *exponent_out = -exponent;
+    return 1.0 / sqrt(var + eps_scaled);
+}
+
+/* One row's statistics (fastln_ln_stats), as the forward takes them and the backward's rare path
+ * takes them again.
+ *
+ * They come from one read of the row, shifted by its first element: d = x - x[0] is small
+ * whenever the row's spread is small, so sum(d) and sum(d * d) in double do not cancel even when
+ * |mean| >> std (the E[x^2] - E[x]^2 trap). A row whose first element lies far from its mean
+ * (the two terms of the variance cancel by more than FASTLN_MAX_CANCELLATION) is summed again
+ * around the mean. A row of finite values whose sums around x[0] overflow (float64 values near
+ * DBL_MAX, of both signs) is centred on its mean instead, with every sum taken on scaled values;
+ * so is a row whose squares overflow or underflow double. */
+FASTLN_INLINE void FASTLN_NAME(ln_statistics)(const FASTLN_T *x, int64_t n_cols, double eps,
+                                              fastln_ln_stats *stats)
+{
+    const double n = (double)n_cols;
+    double shift = FASTLN_NAME(to_double)(x[0]);
+    double sum, sumsq;
+    FASTLN_NAME(ln_sums)(x, n_cols, shift, &sum, &sumsq);
+    double mean_shifted = sum / n;
+    double var = sumsq / n - mean_shifted * mean_shifted;
+    double wide_mean;
+    const int wide = !isfinite(mean_shifted) && FASTLN_NAME(ln_wide_mean)(x, n_cols, &wide_mean);
+    if (wide) {
+        shift = (double)(FASTLN_C)wide_mean;
+        mean_shifted = 0.0;
+        var = INFINITY;
+    }
+    if (mean_shifted * mean_shifted > FASTLN_MAX_CANCELLATION * var) {
+        /* The new shift is a compute-type value, so the padding still adds exactly zero. */
+        double sum_around_mean, sumsq_around_mean;
+        FASTLN_NAME(ln_sums)(x, n_cols, (double)(FASTLN_C)(shift + mean_shifted),
+                             &sum_around_mean, &sumsq_around_mean);
+        const double mean_residual = sum_around_mean / n;
+        var = sumsq_around_mean / n - mean_residual * mean_residual;
+    }
+    if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
+    double rstd = 1.0 / sqrt(var + eps);
+    double rstd_scaled = rstd;
+    int exponent = 0;
+    if ((isfinite(mean_shifted) && !isfinite(var)) || (var < FASTLN_TINY && eps < FASTLN_TINY)) {
+        /* Squares that overflow (|x| beyond ~1e154) or underflow (spreads below ~1e-154, with
+         * eps too small to matter) in double: take the statistics again on rescaled values.
+         * NaN and Inf rows never come here (their mean_shifted is not finite). */
+        double residual;
+        rstd_scaled = FASTLN_NAME(ln_rescaled_rstd)(x, n_cols, shift + mean_shifted, eps, &var,
+                                                    &exponent, &residual);
+        if (wide) {
+            /* The mean's last digits; NaN where x - mean itself is beyond double, for which
+             * the row stays NaN as it was. */
+            mean_shifted = residual;
+            if (isnan(residual)) var = rstd_scaled = NAN;
+        }
+        rstd = ldexp(rstd_scaled, exponent); /* Inf when beyond double */
+    }
+    stats->shift = shift;
+    stats->mean_shifted = mean_shifted;
+    stats->var = var;
+    stats->rstd = rstd;
+    stats->rstd_scaled = rstd_scaled;
+    stats->exponent = exponent;
+}
+
+/* ---- RMSNorm: mean of squares ----------------------------------------------------------- */
+
+/* sumsq += (x * scale)^2 for one block's elements of this pass's slots. */
+FASTLN_INLINE void FASTLN_NAME(rms_add_block)(const FASTLN_T *x, const FASTLN_P *padded,
+                                              int64_t at, double scale,
+                                              FASTLN_VD sumsq[FASTLN_PASS_VECTORS])
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_PASS_VECTORS / 2; j++) {
+        FASTLN_VD low, high;
+        FASTLN_NAME(load_wide_from)(x, padded, at + j * FASTLN_VF_LANES, &low, &high);
+        low *= scale;
+        high *= scale;
+        sumsq[2 * j] += low * low;
+        sumsq[2 * j + 1] += high * high;
+    }
+}
+
+/* sum((x * scale)^2) over the row; scale is 1 except on the overflow path. Zeros pad. */
+FASTLN_OUTLINED double FASTLN_NAME(rms_sum_squares)(const FASTLN_T *x, int64_t n_cols, double scale)
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[FASTLN_SLOTS];
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++)
+            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
+    double slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sumsq[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
+            FASTLN_NAME(rms_add_block)(x, NULL, i + first, scale, sumsq);
+        if (n_whole < n_cols) FASTLN_NAME(rms_add_block)(NULL, padded, first, scale, sumsq);
+        memcpy(slots + first, sumsq, sizeof sumsq);
+    }
+    return fastln_reduce_slots(slots);
+}
+
+/* rstd * 2^-exponent of a row whose squares leave double's range (rare), summed again scaled by
+ * the power of two 2^exponent that brings max|x| into [0.5, 1) (so the scaling is exact), at most
+ * 2^1023 (the largest double power of two: a subnormal row then lands at 2^-51 or above, where
+ * squares keep their digits):
+ *     rstd = 2^exponent / sqrt(mean((x * 2^exponent)^2) + eps * 4^exponent).
+ * *exponent_out gets the exponent (0 when eps dwarfs every square); rstd itself may be beyond
+ * double (eps = 0 and a row below ~1e-308). An all-zero row gives 1 / sqrt(eps), Inf when
+ * eps = 0; a row holding an Inf gives 0 (mean(x * x) is Inf). */
+static double FASTLN_NAME(rms_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, double eps,
+                                             int *exponent_out)
+{
+    *exponent_out = 0;
+    double max_abs = 0.0;
+    for (int64_t i = 0; i < n_cols; i++) {
+        const double magnitude = fabs(FASTLN_NAME(to_double)(x[i]));
+        if (magnitude > max_abs) max_abs = magnitude;
+    }
+    if (!(max_abs <= DBL_MAX)) return 0.0;          /* an Inf in the row: mean(x * x) is Inf */
+    if (max_abs == 0.0) return 1.0 / sqrt(eps);     /* all zeros */
+    int exponent;
+    frexp(max_abs, &exponent);
+    exponent = exponent < -1023 ? 1023 : -exponent;
+    const double scale = ldexp(1.0, exponent);
+    const double eps_scaled = (eps * scale) * scale;
+    if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps); /* eps dwarfs every square */
+    const double scaled = FASTLN_NAME(rms_sum_squares)(x, n_cols, scale) / (double)n_cols;
+    *exponent_out = exponent;
+    return 1.0 / sqrt(scaled + eps_scaled);
+}
+
+/* 1 / sqrt(mean(x * x) + eps) of one row.
+ *
+ * The sum of squares is in double, where float32 squares can neither overflow nor underflow.
+ * A float64 row can: squares beyond about 1e154 overflow, and with eps = 0 squares below about
+ * 1e-154 lose their digits. Such a row is summed again rescaled (rms_rescaled_rstd). An all-zero
+ * row gives 1 / sqrt(eps), and Inf when eps = 0 (the caller then writes y = 0); so does a row
+ * whose rstd is beyond double's range (eps = 0 and values below ~1e-308). */
+FASTLN_INLINE double FASTLN_NAME(rms_row_rstd)(const FASTLN_T *x, int64_t n_cols, double eps)
+{
+    const double mean_square = FASTLN_NAME(rms_sum_squares)(x, n_cols, 1.0) / (double)n_cols;
+    if (mean_square <= DBL_MAX && mean_square + eps >= DBL_MIN) /* false for Inf and NaN */
+        return 1.0 / sqrt(mean_square + eps);
+    if (mean_square != mean_square) return mean_square; /* NaN in the row */
+    int exponent;
+    const double rstd_scaled = FASTLN_NAME(rms_rescaled_rstd)(x, n_cols, eps, &exponent);
+    return ldexp(rstd_scaled, exponent);
+}
+
+/* ---- BatchNorm: per-feature shifted sums ------------------------------------------------ */
+
+/* shift[c] = the first value of feature c (x[0, c, 0]). */
+FASTLN_INLINE void FASTLN_NAME(bn_first_values)(const FASTLN_T *FASTLN_RESTRICT x,
+                                                int64_t n_features, int64_t n_inner,
+                                                double *FASTLN_RESTRICT shift)
+{
+    for (int64_t c = 0; c < n_features; c++) shift[c] = FASTLN_NAME(to_double)(x[c * n_inner]);
+}
+
+/* Rows layout: sum[c] += d and sumsq[c] += d * d, d = x[r, c] - shift[c], for n_rows rows of
+ * n_features values, consecutive rows row_stride elements apart. Features never mix, so the
+ * vector width and a split of the features among threads change nothing. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_stats_rows)(
+    const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows, int64_t n_features, int64_t row_stride,
+    const double *FASTLN_RESTRICT shift, double *FASTLN_RESTRICT sum,
+    double *FASTLN_RESTRICT sumsq)
+{
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *row = x + r * row_stride;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
+            FASTLN_VD d[2];
+            FASTLN_NAME(load_wide)(row + c, &d[0], &d[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = c + h * FASTLN_VD_LANES;
+                d[h] -= FASTLN_ISA(load_f64)(shift + at);
+                FASTLN_ISA(store_f64)(sum + at, FASTLN_ISA(load_f64)(sum + at) + d[h]);
+                FASTLN_ISA(store_f64)(sumsq + at, FASTLN_ISA(load_f64)(sumsq + at) + d[h] * d[h]);
+            }
+        }
+        for (; c < n_features; c++) {
+            const double d = FASTLN_NAME(to_double)(row[c]) - shift[c];
+            sum[c] += d;
+            sumsq[c] += d * d;
+        }
+    }
+}
+
+/* Segments layout, one feature: the shifted sums over n_segments segments of n_inner values,
+ * segment k starting at x + k * stride. Element l of a segment adds to slot l % FASTLN_SLOTS;
+ * each segment's last partial block is padded with the shift (d = 0). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_stats_segments)(
+    const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments, int64_t stride, int64_t n_inner,
+    double shift, double *FASTLN_RESTRICT sum_out, double *FASTLN_RESTRICT sumsq_out)
+{
+    const int64_t n_whole = n_inner - n_inner % FASTLN_SLOTS;
+    double sum_slots[FASTLN_SLOTS], sumsq_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum[FASTLN_PASS_VECTORS] = {0}, sumsq[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t k = 0; k < n_segments; k++) {
+            const FASTLN_T *segment = x + k * stride;
+            for (int64_t l = 0; l < n_whole; l += FASTLN_SLOTS)
+                FASTLN_NAME(ln_add_block)(segment, NULL, l + first, shift, sum, sumsq);
+            if (n_whole < n_inner) {
+                FASTLN_P padded[FASTLN_PASS_SLOTS];
+                for (int s = 0; s < FASTLN_PASS_SLOTS; s++)
+                    padded[s] = n_whole + first + s < n_inner
+                                    ? FASTLN_NAME(to_compute)(segment[n_whole + first + s])
+                                    : (FASTLN_C)shift;
+                FASTLN_NAME(ln_add_block)(NULL, padded, 0, shift, sum, sumsq);
+            }
+        }
+        memcpy(sum_slots + first, sum, sizeof sum);
+        memcpy(sumsq_slots + first, sumsq, sizeof sumsq);
+    }
+    *sum_out = fastln_reduce_slots(sum_slots);
+    *sumsq_out = fastln_reduce_slots(sumsq_slots);
+}

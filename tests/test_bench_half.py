@@ -1,0 +1,94 @@
+"""`fastln bench --dtypes float16,bfloat16`: the half formats run through the command like
+float32 (fastln on half arrays against PyTorch's half tensors and NumPy's naive code in float32
+on a converted copy), every peer's result checked against fastln's; batch norm, which fastln has
+no half kernel for, is skipped with the reason. No timing is asserted."""
+import json
+
+import numpy as np
+import pytest
+
+from fastln.bench import peers
+from fastln.bench.operation import HALF_DTYPES, check_rows, compare_results, numpy_dtype
+from fastln.bench.ops import OPERATIONS
+from test_bench_cli import TINY, run_main
+
+pytest.importorskip("ml_dtypes")
+
+HALF_OPS = ("forward", "backward", "rms_forward", "rms_backward", "add_layer_norm",
+            "add_rms_norm")
+INSTALLED = ("numpy",) + tuple(peer for peer in ("torch", "onnxruntime")
+                               if peers.is_installed(peer))
+
+
+@pytest.fixture(scope="module")
+def half_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_half") / "half.json"
+    argv = list(TINY)
+    argv[argv.index("--dtypes") + 1] = "float16,bfloat16"
+    argv[argv.index("--peers") + 1] = ",".join(INSTALLED)
+    argv[argv.index("--shapes") + 1] = "4x32"
+    argv += ["--ops", ",".join(HALF_OPS + ("batch_norm_train",)), "--json", str(path)]
+    status, stdout, stderr = run_main(argv)
+    return status, stdout, stderr, json.loads(path.read_text())
+
+
+def test_half_formats_run_every_row_op(half_run):
+    status, stdout, stderr, data = half_run
+    assert status == 0, stderr
+    assert data["settings"]["dtypes"] == ["float16", "bfloat16"]
+    seen = {(record["op"], record["dtype"]) for record in data["results"]}
+    assert seen == {(op, dtype) for op in HALF_OPS for dtype in HALF_DTYPES}
+    for record in data["results"]:
+        assert record["status"] == "ok", record
+        # Two bytes an element: the bandwidth counts the half arrays as they are.
+        assert record["bytes_moved"] == OPERATIONS[record["op"]].streams * 4 * 32 * 2
+        assert record["implementation"] != "numpy-inplace"  # float32/float64 only
+    implementations = {record["implementation"] for record in data["results"]}
+    assert {"fastln", "numpy-naive"} <= implementations
+    if "torch" in INSTALLED:
+        assert "torch" in implementations
+    if "onnxruntime" in INSTALLED:  # float16 only
+        assert {record["dtype"] for record in data["results"]
+                if record["implementation"] == "onnxruntime"} == {"float16"}
+
+
+def test_batch_norm_in_half_is_skipped_with_the_reason(half_run):
+    skipped = half_run[3]["skipped"]
+    assert {entry["dtype"] for entry in skipped} == set(HALF_DTYPES)
+    for entry in skipped:
+        assert entry["op"] == "batch_norm_train"
+        assert "float32, float64 only" in entry["reason"]
+    assert "skipped batch_norm_train 4x32 float16" in half_run[1]
+
+
+@pytest.mark.parametrize("op", HALF_OPS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_naive_numpy_computes_in_float32_and_rounds_back(op, dtype):
+    operation = OPERATIONS[op]
+    inputs = operation.make_inputs((6, 40), dtype, np.random.default_rng(3))
+    assert inputs.x.dtype == numpy_dtype(dtype)
+    fastln_call = operation.implementation("fastln").prepare(inputs, 1, False)
+    reference = tuple(check_rows(a) for a in fastln_call.result_arrays(fastln_call.call()))
+    naive = operation.implementation("numpy-naive").prepare(inputs, 1, False)
+    arrays = naive.result_arrays(naive.call())
+    # Full-size results come back in the half format, like fastln's; the float32 ones stay.
+    assert [a.dtype for a in arrays] == [r.dtype for r in reference]
+    assert compare_results(arrays, reference, dtype, operation.tolerance_for(dtype)) is None
+    # ... and the check would catch a wrong result at this tolerance.
+    wrong = tuple(a.astype(np.float32) * 1.2 for a in arrays)
+    assert compare_results(wrong, reference, dtype, operation.tolerance_for(dtype))
+
+
+def test_bfloat16_without_ml_dtypes_is_refused_before_any_work(capsys, monkeypatch):
+    import importlib.util
+
+    from fastln import cli
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ml_dtypes" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["bench", "--dtypes", "bfloat16"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "--dtypes" in err and "ml_dtypes" in err
