@@ -116,6 +116,10 @@ def test_errors_are_raised_before_computing(rng):
         fd.layer_norm(da.zeros((4, 0), chunks=(2, 0)))
     with pytest.raises(ValueError, match="dy has shape"):
         fd.layer_norm_backward(x[:10], x)
+    with pytest.raises(ValueError, match="^eps must be a finite number >= 0, got 1000"):
+        fd.layer_norm(x, eps=10**400)
+    with pytest.raises(TypeError, match="^axis must be an int, got a bool"):
+        fd.rms_norm_backward(x, x, axis=True)
 
 
 def test_numpy_input_and_the_issue_signature(rng):

@@ -5,6 +5,7 @@ The reference takes the same arguments and promises the same errors, so every ca
 fastln and fastln.reference alike.
 """
 import datetime
+import operator
 import re
 from types import SimpleNamespace
 
@@ -39,6 +40,24 @@ def test_names_argument_helper():
 # float32 x of shape (4, 3).
 # --------------------------------------------------------------------------------------------
 
+class _FailsToConvert:
+    """An array-like whose __array__ (or __len__) raises an error of its own."""
+
+    def __init__(self, in_len=False):
+        self.in_len = in_len
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("boom")
+
+    def __len__(self):
+        if self.in_len:
+            raise LookupError("no length")
+        return 3
+
+    def __getitem__(self, index):
+        raise IndexError(index)
+
+
 def _x(dtype=np.float32, shape=(4, 3)):
     return (np.arange(np.prod(shape), dtype=np.float64).reshape(shape) ** 2 % 7).astype(dtype)
 
@@ -63,6 +82,9 @@ FORWARD_CASES = [
     ("x-None", dict(x=lambda: None), TypeError, "x", []),
     ("x-dict", dict(x=lambda: {"a": 1}), TypeError, "x", []),
     ("x-structured", dict(x=lambda: np.zeros((2, 3), dtype=[("a", "f4")])), TypeError, "x", []),
+    # an object whose own conversion fails (any exception): still the argument's TypeError
+    ("x-array-raises", dict(x=lambda: _FailsToConvert()), TypeError, "x", ["boom"]),
+    ("x-len-raises", dict(x=lambda: _FailsToConvert(in_len=True)), TypeError, "x", []),
     # x: shapes
     ("x-0d-array", dict(x=lambda: np.array(3.0)), ValueError, "x", ["0-d"]),
     ("x-0d-float32", dict(x=lambda: np.float32(3.0)), ValueError, "x", []),
@@ -95,6 +117,7 @@ FORWARD_CASES = [
     ("gamma-str", dict(gamma=lambda: ["a", "b", "c"]), TypeError, "gamma", []),
     ("gamma-object", dict(gamma=lambda: np.array([1, 2, 3], object)), TypeError, "gamma", []),
     ("gamma-datetime", dict(gamma=lambda: np.zeros(3, "M8[s]")), TypeError, "gamma", []),
+    ("gamma-array-raises", dict(gamma=lambda: _FailsToConvert()), TypeError, "gamma", ["boom"]),
     ("beta-long", dict(beta=lambda: np.zeros(4, np.float32)), ValueError, "beta",
      ["(4,)", "(3,)"]),
     ("beta-scalar", dict(beta=lambda: 0.0), ValueError, "beta", []),
@@ -367,3 +390,107 @@ def test_errors_happen_before_any_work_on_a_big_call(impl):
         with pytest.raises((TypeError, ValueError)):
             IMPLS[impl].layer_norm(x, **bad, out=out)
         assert np.all(out == SENTINEL), bad
+
+
+# --------------------------------------------------------------------------------------------
+# Numeric arguments of every kind (issue: eps=10**400 and momentum=10**400 raised
+# OverflowError, axis=True was taken as 1). Every number type Python and NumPy have: huge and
+# tiny ints, Fractions and Decimals beyond float64, NumPy scalars, bools. A value is either
+# taken as the number it is (the result is then the one of that number as a float or int) or
+# refused with the contract's TypeError / ValueError naming the argument.
+# --------------------------------------------------------------------------------------------
+
+from decimal import Decimal  # noqa: E402
+from fractions import Fraction  # noqa: E402
+
+HUGE = 10**400
+ENORMOUS = 10**5000  # beyond the 4300 digits Python agrees to print
+# (argument, value, the plain value it means - or the error it gets)
+NUMERIC_CASES = [
+    ("eps", HUGE, ValueError), ("eps", -HUGE, ValueError), ("eps", ENORMOUS, ValueError),
+    ("eps", -ENORMOUS, ValueError), ("eps", Fraction(HUGE, 3), ValueError),
+    ("eps", Fraction(-1, HUGE), ValueError), ("eps", Decimal("1e400"), ValueError),
+    ("eps", Decimal("-1e-400"), ValueError), ("eps", Decimal("sNaN"), ValueError),
+    ("eps", Decimal("NaN"), ValueError), ("eps", np.longdouble("1e4000"), ValueError),
+    ("eps", True, TypeError), ("eps", np.True_, TypeError), ("eps", 1e-5 + 0j, TypeError),
+    ("eps", Fraction(1, 10**5), 1e-5), ("eps", Fraction(1, HUGE), 0.0),
+    ("eps", Decimal("0.001"), 1e-3), ("eps", np.float16(0.25), 0.25), ("eps", 2, 2.0),
+    ("eps", np.uint64(3), 3.0),
+    ("axis", True, TypeError), ("axis", np.True_, TypeError), ("axis", HUGE, ValueError),
+    ("axis", -ENORMOUS, ValueError), ("axis", Fraction(1), TypeError),
+    ("axis", Decimal(1), TypeError), ("axis", np.int8(-1), -1), ("axis", np.uint64(1), 1),
+    ("num_threads", ENORMOUS, 1), ("num_threads", HUGE, 1), ("num_threads", np.uint64(2), 2),
+    ("num_threads", -ENORMOUS, ValueError), ("num_threads", True, ValueError),
+    ("num_threads", Fraction(2), ValueError), ("num_threads", Decimal(2), ValueError),
+    ("momentum", HUGE, ValueError), ("momentum", Fraction(HUGE + 1, HUGE), ValueError),
+    ("momentum", Fraction(-1, HUGE), ValueError), ("momentum", Decimal("NaN"), ValueError),
+    ("momentum", True, TypeError), ("momentum", Decimal("0.25"), 0.25),
+    # NumPy registers timedelta64 as an integer: a duration is no number of threads or eps
+    ("eps", np.timedelta64(5), TypeError), ("momentum", np.timedelta64(0), TypeError),
+    ("num_threads", np.timedelta64(2), ValueError), ("axis", np.timedelta64(0), TypeError),
+    ("momentum", Fraction(1, 4), 0.25), ("momentum", np.float32(0.5), 0.5),
+]
+NUMERIC_FUNCS = ["layer_norm", "layer_norm_forward", "rms_norm", "rms_norm_forward",
+                 "add_layer_norm", "add_rms_norm_forward", "batch_norm", "batch_norm_forward",
+                 "layer_norm_backward", "rms_norm_backward", "batch_norm_backward"]
+
+
+def _takes(func, argument):
+    if func.endswith("backward"):
+        return argument == "num_threads"
+    return argument != "momentum" or func.startswith("batch")
+
+
+def _numeric_call(impl, func, argument, value):
+    """(call, out): func called with `argument` set to value and a valid out buffer (which a
+    failing call must leave as it is)."""
+    module = IMPLS[impl]
+    x = _x(np.float64, (4, 2, 3))
+    out = np.full(x.shape, SENTINEL)
+    if func.endswith("backward"):
+        forward = getattr(module, func.replace("backward", "forward"))
+        _, cache = forward(x, training=True) if func.startswith("batch") else forward(x)
+        return lambda: getattr(module, func)(np.ones_like(x), cache, out=out,
+                                             num_threads=value), out
+    args, kwargs = (x,), {argument: value, "out": out}
+    if func.startswith("add"):
+        args, kwargs["sum_out"] = (x, x.copy()), np.full(x.shape, SENTINEL)
+    if func.startswith("batch"):
+        try:  # the running statistics have the length of the feature axis
+            n_features = x.shape[operator.index(value) if argument == "axis" else -1]
+        except (TypeError, IndexError):
+            n_features = 3  # an invalid axis: refused before the statistics are looked at
+        kwargs.update(training=True, running_mean=np.zeros(n_features),
+                      running_var=np.ones(n_features))
+    return lambda: getattr(module, func)(*args, **kwargs), out
+
+
+def _arrays_of(result):
+    return [r for r in (result if isinstance(result, tuple) else (result,))
+            if isinstance(r, np.ndarray)]
+
+
+NUMERIC_PARAMS = [pytest.param(func, argument, value, meaning,
+                                 id=f"{func}-{argument}-{type(value).__name__}-{index}")
+                  for func in NUMERIC_FUNCS
+                  for index, (argument, value, meaning) in enumerate(NUMERIC_CASES)
+                  if _takes(func, argument)]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("func, argument, value, meaning", NUMERIC_PARAMS)
+def test_numeric_arguments_of_every_kind(impl, func, argument, value, meaning):
+    call, out = _numeric_call(impl, func, argument, value)
+    if isinstance(meaning, type):
+        with pytest.raises(meaning) as info:
+            call()
+        message = str(info.value)
+        assert names_argument(message, argument), message
+        assert len(message) < 400, "the value must be shortened in the message"
+        assert np.all(out == SENTINEL), "a failing call wrote out"
+        return
+    expected_call, _ = _numeric_call(impl, func, argument, meaning)
+    got, expected = _arrays_of(call()), _arrays_of(expected_call())
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)

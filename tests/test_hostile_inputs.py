@@ -28,22 +28,25 @@ Tolerances, per row (per feature for BatchNorm), by what each result is made of:
 - plus the reference's own error: it centres with a float64 mean rounded once, so its x_hat is
   only good to about ``u64 * kappa`` with ``kappa = (max|x| + |mean|) * rstd`` (how many
   standard deviations the values sit from 0; the same allowance as in test_properties.py).
-- float64 values beyond ~1e150 overflow the reference's float64 sums of squares, and values
-  below ~1e-150 underflow them. Every function is exactly invariant under scaling one group
+- float64 values beyond ~1e150 overflow plain float64 sums of squares, and values below
+  ~1e-150 underflow them. Every function is exactly invariant under scaling one group
   (a row; a feature of BatchNorm) by a power of two c with eps scaled by c**2 (and residual
   and bias by c), and the backward is linear in dy: each group's expected results are the
   reference's on its arguments so scaled, scaled back and rounded once (y unchanged; mean and
   the batch statistics divided by c, the variance by c**2; rstd and dx multiplied by c; dy
   scaled per group too). One expected call per scale; a call with groups of both extremes
-  gets one per extreme (expected_results has the rules). That is the reference's
-  arithmetic, without its overflow and underflow. Nothing is scaled for float32 and the
+  gets one per extreme (expected_results has the rules). The reference is right over the
+  whole range on its own too (test_reference_range.py holds it to exact arithmetic there);
+  the scaled calls keep the expected values of the extremes in its ordinary range, where its
+  arithmetic is the plainest. Nothing is scaled for float32 and the
   half formats (their squares fit in double) nor in BatchNorm's evaluation mode (no squares).
 - Constant groups whose eps is below their rounding noise are left out (see
   degenerate_groups); explicit tests below hold fastln to the exact answer there.
 - Out of scope, and left out: groups in which some x - mean is beyond float64 (values of both
   signs near DBL_MAX; only ``object`` values given as a nested list bring them here, since
-  typed_values turns their infinities into +-DBL_MAX). Both implementations centre in
-  float64, where such a deviation is not a number (see deviations_beyond_float64).
+  typed_values turns their infinities into +-DBL_MAX). fastln's kernels centre in float64,
+  where such a deviation is not a number (see deviations_beyond_float64); the reference
+  scales each group first and gets them right.
 
 Run more examples with ``HYPOTHESIS_PROFILE=thorough`` (2000 per function) or
 ``FASTLN_HOSTILE_EXAMPLES=N``; see tools/README.md.
@@ -2069,3 +2072,319 @@ def test_absurd_num_threads_is_an_error_or_works_never_a_crash(func, num_threads
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, (child.returncode, child.stdout[-2000:], child.stderr[-2000:])
     assert child.stdout.startswith(("ok", "ValueError")), child.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# ndarray subclasses whose methods and attributes lie (issue: a subclass's reshape returning
+# another array made the kernels write out of bounds). fastln must take every array as the
+# plain ndarray on its memory, call none of the subclass's methods, and still return the
+# caller's own out.
+# --------------------------------------------------------------------------------------------
+
+# Larger than any array below: a regression that lets a decoy decide where the kernels write
+# writes into the decoy (the results are then wrong, which the tests see) instead of past it.
+DECOY_SIZE = 1 << 15
+
+
+def _decoy(*args, **kwargs):
+    return np.zeros(DECOY_SIZE)
+
+
+class Liar(np.ndarray):
+    """An ndarray whose every method and attribute that could say where its data is, how big
+    it is or how to read it returns a decoy: zeros of another size, dtype and shape."""
+
+    finalized = 0  # how many arrays of this type numpy made (views, copies, ...)
+
+    def __array_finalize__(self, obj):
+        Liar.finalized += 1
+
+    reshape = ravel = view = astype = copy = flatten = squeeze = transpose = swapaxes = _decoy
+    __getitem__ = __array__ = __array_wrap__ = __copy__ = __deepcopy__ = tolist = _decoy
+    take = compress = repeat = newbyteorder = byteswap = _decoy
+
+    def __setitem__(self, key, value):
+        pass  # a write through the subclass is lost: the results show it
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _decoy()
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _decoy()
+
+    shape = property(lambda self: (1,))
+    dtype = property(lambda self: np.dtype(np.int8))
+    strides = property(lambda self: (8,))
+    size = property(lambda self: 1)
+    ndim = property(lambda self: 1)
+    nbytes = property(lambda self: 1)
+    itemsize = property(lambda self: 1)
+    flags = property(lambda self: np.zeros(1).flags)
+    T = base = data = ctypes = real = imag = property(_decoy)
+    __array_interface__ = property(lambda self: np.zeros(1).__array_interface__)
+
+    def __len__(self):
+        return 1
+
+
+def liar(array):
+    """`array`'s memory as a Liar (the construction's own finalize not counted)."""
+    made = np.ndarray.view(array, Liar)
+    Liar.finalized = 0
+    return made
+
+
+def real(array):
+    """The plain ndarray behind an array of any subclass (for the checks of the test)."""
+    return np.ndarray.view(array, np.ndarray) if isinstance(array, np.ndarray) else array
+
+
+LIAR_SHAPE = (6, 4, 24)  # rows over the last axis; BatchNorm's features on axis 1
+
+
+def liar_call(func, dtype, seed=0):
+    """(arrays, call): the named plain arrays of one call of `func`, and call(module, arrays)
+    making it; caches are built from the arrays named cache_*."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+
+    def values(shape):
+        return (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+
+    x = values(LIAR_SHAPE)
+    row_param = LIAR_SHAPE[-1:]
+    feature_param = LIAR_SHAPE[1:2]
+    if func in ("layer_norm", "layer_norm_forward", "rms_norm", "rms_norm_forward"):
+        arrays = dict(x=x, gamma=values(row_param), out=np.full(x.shape, SENTINEL, dtype))
+        if func.startswith("layer"):
+            arrays["beta"] = values(row_param)
+            return arrays, lambda m, a: getattr(m, func)(a["x"], a["gamma"], a["beta"], 1e-3,
+                                                         out=a["out"])
+        return arrays, lambda m, a: getattr(m, func)(a["x"], a["gamma"], 1e-3, out=a["out"])
+    if func.startswith("add_"):
+        arrays = dict(x=x, residual=values(x.shape), gamma=values(row_param),
+                      bias=values(row_param), out=np.full(x.shape, SENTINEL, dtype),
+                      sum_out=np.full(x.shape, SENTINEL, dtype))
+        if func.startswith("add_layer"):
+            arrays["beta"] = values(row_param)
+            return arrays, lambda m, a: getattr(m, func)(
+                a["x"], a["residual"], a["gamma"], a["beta"], 1e-3, bias=a["bias"],
+                out=a["out"], sum_out=a["sum_out"])
+        return arrays, lambda m, a: getattr(m, func)(
+            a["x"], a["residual"], a["gamma"], 1e-3, bias=a["bias"], out=a["out"],
+            sum_out=a["sum_out"])
+    if func.startswith("batch_norm") and "backward" not in func:
+        training = not func.endswith("_eval")
+        name = func.replace("_eval", "")
+        arrays = dict(x=x, gamma=values(feature_param), beta=values(feature_param),
+                      running_mean=values(feature_param),
+                      running_var=np.abs(values(feature_param)) + 0.5,
+                      out=np.full(x.shape, SENTINEL, dtype))
+        return arrays, lambda m, a: getattr(m, name)(
+            a["x"], a["gamma"], a["beta"], a["running_mean"], a["running_var"],
+            training=training, momentum=0.8, eps=1e-3, axis=1, out=a["out"])
+    # backwards: the cache's arrays come from a plain forward of fastln's
+    forward = func.replace("_backward", "_forward").replace("_eval", "")
+    op = forward.replace("_forward", "")
+    training = not func.endswith("_eval")
+    if op == "batch_norm":
+        gamma = values(feature_param)
+        _, cache = fastln.batch_norm_forward(x, gamma, None, np.zeros(feature_param),
+                                             np.ones(feature_param), training=training,
+                                             eps=1e-3, axis=1)
+    else:
+        gamma = values(row_param)
+        _, cache = getattr(fastln, forward)(x, gamma, eps=1e-3)
+    arrays = dict(dy=values(x.shape), gamma=gamma, out=np.full(x.shape, SENTINEL, dtype),
+                  cache_x=x.copy(), cache_rstd=cache.rstd.copy())
+    if op != "rms_norm":
+        arrays["cache_mean"] = cache.mean.copy()
+
+    def call(m, a):
+        if op == "layer_norm":
+            forged = fastln.LayerNormCache(a["cache_x"], a["cache_mean"], a["cache_rstd"],
+                                           cache.axis, cache.eps, cache.dtype)
+        elif op == "rms_norm":
+            forged = fastln.RMSNormCache(a["cache_x"], a["cache_rstd"], cache.axis, cache.eps,
+                                         cache.dtype)
+        else:
+            forged = fastln.BatchNormCache(a["cache_x"], a["cache_mean"], a["cache_rstd"],
+                                           cache.axis, cache.eps, cache.training, cache.dtype)
+        return getattr(m, op + "_backward")(a["dy"], forged, a["gamma"], out=a["out"])
+    return arrays, call
+
+
+def plain_results(result):
+    """A call's results as plain arrays: the arrays it returns, and a cache's statistics."""
+    if not isinstance(result, tuple):
+        result = (result,)
+    flat = []
+    for item in result:
+        if isinstance(item, np.ndarray):
+            flat.append(real(item))
+        else:  # a cache
+            flat.extend(real(getattr(item, name)) for name in ("x", "mean", "rstd")
+                        if getattr(item, name, None) is not None)
+    return flat
+
+
+LIAR_FUNCS = sorted(set(STRATEGIES) | {"batch_norm_eval", "batch_norm_backward_eval"})
+LIAR_ARGUMENTS = [(func, name) for func in LIAR_FUNCS
+                  for name in sorted(liar_call(func, np.float64)[0]) + ["every"]]
+CALLER_OUTPUTS = ("out", "sum_out", "running_mean", "running_var")
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("func, argument", LIAR_ARGUMENTS,
+                         ids=[f"{f}-{a}" for f, a in LIAR_ARGUMENTS])
+def test_a_lying_subclass_decides_no_memory(impl, dtype, func, argument):
+    """One argument (or every one) an ndarray subclass whose methods and attributes all lie:
+    the results are bitwise those of plain arrays, out is the caller's own object and holds
+    them, running statistics are updated in their memory, the inputs are unchanged, and no
+    array of the subclass's type was made."""
+    module = fastln if impl == "fastln" else ref
+    plain, call = liar_call(func, dtype)
+    expected = plain_results(call(module, plain))
+
+    arrays, call = liar_call(func, dtype)
+    given = {name: liar(a) if argument in (name, "every") else a for name, a in arrays.items()}
+    untouched = Snapshot(*[a for name, a in arrays.items() if name not in CALLER_OUTPUTS])
+    result = call(module, given)
+    assert Liar.finalized == 0, "fastln made an array of the subclass's type"
+    for got, want in zip(plain_results(result), expected, strict=True):
+        assert_bitwise_equal(got, want, func)
+    untouched.assert_unchanged()
+    for name in CALLER_OUTPUTS:
+        if name in arrays:  # the caller's memory holds what the plain call left in its own
+            assert_bitwise_equal(arrays[name], plain[name], name)
+    returned = result if isinstance(result, tuple) else (result,)
+    if argument in ("out", "every"):
+        assert returned[0] is given["out"], "out must come back as the caller's own object"
+    if argument in ("sum_out", "every") and "sum_out" in given:
+        assert returned[1] is given["sum_out"]
+
+
+LITERAL_REPRODUCER = r"""
+import numpy as np, fastln
+
+class Sub(np.ndarray):
+    def reshape(self, *a, **k):
+        return np.zeros(1)
+    ravel = view = astype = copy = reshape
+
+x = np.ones((4096, 64))
+x[:, 0] = 3.0
+out = np.empty((4096, 64)).view(Sub)
+assert fastln.layer_norm(x, out=out) is out
+assert fastln.rms_norm(x, out=out) is out
+y, s = fastln.add_layer_norm(x, x.view(Sub), out=out, sum_out=np.empty_like(x).view(Sub))
+assert y is out
+_, cache = fastln.layer_norm_forward(x.view(Sub))
+assert fastln.layer_norm_backward(x, cache, out=out)[0] is out
+assert fastln.batch_norm(x.view(Sub), training=True, out=out) is out
+print("ok")
+"""
+
+
+def test_the_reported_subclass_does_not_crash():
+    """The issue's reproducer (a reshape returning a 1-element array), in a child process so
+    that a crash fails this test instead of killing the run."""
+    import subprocess
+    import sys
+    child = subprocess.run([sys.executable, "-c", LITERAL_REPRODUCER], capture_output=True,
+                           text=True, timeout=300)
+    assert (child.returncode, child.stdout.strip()) == (0, "ok"), child.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------------------------
+# Masked arrays are refused (issue: the masked values were normalized and a plain ndarray
+# returned). fastln does not honour masks: any masked array among the arguments - even one
+# with nothing masked, so that a call does not start failing when a value gets masked - is a
+# TypeError naming the argument, before any work.
+# --------------------------------------------------------------------------------------------
+
+def masked_like(array, how):
+    if how == "list":  # a nested list holding the masked constant
+        nested = real(array).tolist()
+        target = nested
+        while isinstance(target[0], list):
+            target = target[0]
+        target[0] = np.ma.masked
+        return nested
+    mask = np.zeros(array.shape, bool)
+    if how == "some":
+        mask.flat[0] = True
+    return np.ma.masked_array(array, mask=mask)
+
+
+# Outputs and cache fields must be ndarrays: a list holding np.ma.masked is for the inputs.
+MASKED_ARGUMENTS = [(func, name, how) for func in LIAR_FUNCS
+                    for name in sorted(liar_call(func, np.float64)[0])
+                    for how in ("some", "none", "list")
+                    if how != "list" or not (name in CALLER_OUTPUTS or name.startswith("cache_"))]
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+@pytest.mark.parametrize("func, argument, how", MASKED_ARGUMENTS,
+                         ids=["-".join(case) for case in MASKED_ARGUMENTS])
+def test_a_masked_array_is_refused(impl, func, argument, how):
+    """Masked as the argument of every function: a TypeError naming it, nothing written."""
+    module = fastln if impl == "fastln" else ref
+    arrays, call = liar_call(func, np.float64)
+    given = dict(arrays, **{argument: masked_like(arrays[argument], how)})
+    untouched = Snapshot(*arrays.values())
+    with pytest.raises(TypeError, match="MaskedArray") as error:
+        call(module, given)
+    name = argument.replace("cache_", "cache.")
+    assert str(error.value).startswith(f"{name} is a numpy.ma.MaskedArray"), str(error.value)
+    untouched.assert_unchanged()
+
+
+def test_masked_arrays_are_refused_by_the_layers_and_dask():
+    import fastln.nn
+    data = np.array([[10.0, 20.0, 60.0]], np.float32)
+    masked = np.ma.masked_array(data, mask=[[0, 0, 1]])
+    for layer in (fastln.nn.LayerNorm(3), fastln.nn.RMSNorm(3), fastln.nn.BatchNorm(3)):
+        with pytest.raises(TypeError, match="^x is a numpy.ma.MaskedArray"):
+            layer(masked)
+        y = layer(data)
+        with pytest.raises(TypeError, match="^dy is a numpy.ma.MaskedArray"):
+            layer.backward(np.ma.masked_array(np.ones_like(y)))
+        state = layer.state_dict()
+        key = next(iter(state))
+        state[key] = np.ma.masked_array(state[key])
+        before = layer.state_dict()
+        with pytest.raises(TypeError, match=rf"^state_dict\['{key}'\] is a numpy.ma"):
+            layer.load_state_dict(state)
+        for name, value in layer.state_dict().items():
+            assert_bitwise_equal(value, before[name], name)
+    da = pytest.importorskip("dask.array")
+    import fastln.dask
+    lazy = da.ma.masked_array(da.from_array(masked.data), mask=masked.mask)
+    with pytest.raises(TypeError, match="^arr is a numpy.ma.MaskedArray"):
+        fastln.dask.layer_norm(lazy)
+    with pytest.raises(TypeError, match="^dy is a numpy.ma.MaskedArray"):
+        fastln.dask.rms_norm_backward(lazy, data)
+
+
+ADD_NORM_BAD_ARGUMENTS = [(func, bad) for func in ("add_layer_norm", "add_layer_norm_forward",
+                                                    "add_rms_norm", "add_rms_norm_forward")
+                          for bad in ("gamma", "beta", "eps", "num_threads")
+                          if not (bad == "beta" and "rms" in func)]  # RMSNorm has no beta
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+@pytest.mark.parametrize("func, bad", ADD_NORM_BAD_ARGUMENTS)
+def test_add_norm_checks_the_normalization_before_writing_sum_out(impl, func, bad):
+    """A bad argument of the normalization (not of the sum) must leave out and sum_out
+    untouched too: the reference used to write sum_out first."""
+    module = fastln if impl == "fastln" else ref
+    x = np.arange(12.0).reshape(3, 4)
+    out, sum_out = np.full_like(x, SENTINEL), np.full_like(x, SENTINEL)
+    kwargs = dict(out=out, sum_out=sum_out)
+    kwargs.update({"gamma": dict(gamma=np.ones(5)), "beta": dict(beta=np.ones(5)),
+                   "eps": dict(eps=-1.0), "num_threads": dict(num_threads=0)}[bad])
+    with pytest.raises(ValueError, match=bad):
+        getattr(module, func)(x, x, **kwargs)
+    assert (out == SENTINEL).all() and (sum_out == SENTINEL).all()

@@ -1,6 +1,8 @@
-"""`fastln lines`: the lesson's program, its output format, every bad-line case, stdin and files."""
+"""`fastln lines`: the program, its output format, every bad-line case, stdin and files, and
+hostile input and output."""
 import contextlib
 import io
+import os
 import subprocess
 import sys
 
@@ -29,10 +31,10 @@ def run_main(argv, stdin_text=None, monkeypatch=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# The lesson
+# The worked example
 # ---------------------------------------------------------------------------------------------
 
-def test_the_lessons_trace():
+def test_the_worked_example():
     assert run("INPUT 10 20 60\nNORM\n") == (0, ["-0.9258 -0.4629 1.3887"], [])
 
 
@@ -73,7 +75,7 @@ def test_negative_zero_prints_as_zero():
 
 
 def test_comments_blank_lines_and_case_insensitive_commands():
-    text = ("# the lesson's trace\n\n   \n  # indented comment\ninput 10 20 60\n"
+    text = ("# the worked example\n\n   \n  # indented comment\ninput 10 20 60\n"
             "Norm\n\tGaMmA 1 1 1\r\nInPuT 10 20 60\r\nnorm\r\n")
     assert run(text) == (0, ["-0.9258 -0.4629 1.3887"] * 2, [])
 
@@ -218,10 +220,163 @@ def test_a_bad_precision_is_a_usage_error(value, capsys):
 
 
 def test_the_installed_command_reads_stdin_and_sets_the_exit_status():
-    """The real `python -m fastln lines` with a pipe: the lesson's trace and a bad line."""
+    """The real `python -m fastln lines` with a pipe: the worked example and a bad line."""
     result = subprocess.run([sys.executable, "-m", "fastln", "lines"],
                             input="INPUT 10 20 60\nNORM\nINPUT 1 x\n", capture_output=True,
                             text=True, timeout=60)
     assert result.stdout == "-0.9258 -0.4629 1.3887\n"
     assert result.stderr == "line 3: 'x' is not a number\n"
     assert result.returncode == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples of every magnitude
+# ---------------------------------------------------------------------------------------------
+
+def exact_layer_norm(values, eps):
+    """x_hat of one sample in exact arithmetic (square root to 200 bits), rounded once to
+    float64; a constant sample gives zeros."""
+    import math
+    from fractions import Fraction
+    x = [Fraction(float(v)) for v in values]
+    mean = sum(x, Fraction(0)) / len(x)
+    var = sum(((v - mean) ** 2 for v in x), Fraction(0)) / len(x) + Fraction(eps)
+    if var == 0:
+        return [0.0] * len(x)
+    shift = 400 - (var.numerator.bit_length() - var.denominator.bit_length())
+    shift += shift % 2
+    scaled = Fraction(var * Fraction(2) ** shift)
+    root = Fraction(math.isqrt(scaled.numerator // scaled.denominator)) / Fraction(2) ** (shift // 2)
+    return [float((v - mean) / root) for v in x]
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-5, 1e300])
+@pytest.mark.parametrize("exponent", [-1074, -1070, -1060, -1040, -1023, -1000, -600, 0, 600,
+                                      1000, 1020])
+def test_a_sample_of_any_magnitude_normalizes(exponent, eps):
+    """The largest |value| below ~5.6e-309 made math.ldexp raise OverflowError (a traceback
+    from `fastln lines`); now every magnitude, subnormal to near DBL_MAX, is normalized as
+    exact arithmetic says (the subnormal samples as the floats they are)."""
+    rng = np.random.default_rng(exponent + 2000)
+    sample = np.ldexp(rng.standard_normal(5), exponent)
+    sample[0] = -sample[1] if sample[1] != 0 else np.ldexp(1.0, exponent)  # never constant
+    got = normalize_sample(sample, eps=eps)
+    np.testing.assert_allclose(got, exact_layer_norm(sample, eps), rtol=1e-13, atol=1e-300)
+    words = " ".join(repr(float(v)) for v in sample)
+    status, out, err = run(f"EPS {eps!r}\nINPUT {words}\nNORM\n")
+    assert (status, err) == (0, []) and out == [format_values(exact_layer_norm(sample, eps))]
+
+
+def test_the_reported_subnormal_sample():
+    assert run("INPUT 1e-310 2e-310\nNORM\n") == (0, ["0.0000 0.0000"], [])
+    assert run("EPS 0\nINPUT 1e-310 2e-310\nINPUT 5e-324 1e-323\nNORM\n") == (
+        0, ["-1.0000 1.0000"] * 2, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input and output
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("word", ["١٢", "1_0", "１２", "1٫5", "²", "1e1_0", "0x10", "1,5",
+                                  "٣.٥e2", "1 2".replace(" ", "\u00a0"), "1\u20032",
+                                  "1\x1c2", "+-1", "1e", "e5", ".", "-", "1.2.3"])
+def test_only_plain_ascii_decimal_numbers_are_numbers(word):
+    """float() takes other scripts' digits and underscores ('١٢' is 12, '1_0' is 10), and
+    str.split other scripts' blanks: neither is the plain notation of the input."""
+    status, out, err = run(f"INPUT 1 {word}\nNORM\n")
+    assert status == 1 and out == []
+    assert err == [f"line 1: {word!r} is not a number"]
+
+
+@pytest.mark.parametrize("word, value", [("+2.5E+10", 2.5e10), (".5", 0.5), ("5.", 5.0),
+                                         ("-0", 0.0), ("007", 7.0), ("1e-400", 0.0),
+                                         ("-1.25e-3", -1.25e-3)])
+def test_every_form_of_the_plain_notation_is_a_number(word, value):
+    from fastln.lines import parse_values
+    assert parse_values([word]) == [value]
+
+
+@pytest.mark.parametrize("word", ["inf", "-INF", "+Infinity", "nan", "NaN", "-nan", "1e999"])
+def test_non_finite_words_say_so(word):
+    assert run(f"INPUT {word}\n")[2] == [f"line 1: {word!r} is not a finite number"]
+
+
+def test_commands_are_ascii_words():
+    """'ınput'.upper() (a dotless i) is 'INPUT', and 'ſ' (a long s) upper-cases to 'S'."""
+    status, out, err = run("ınput 1 2\nEPſ 1\nINPUT 1 2\nNORM\n")
+    assert status == 1 and out == ["-1.0000 1.0000"]
+    assert err == [f"line 1: unknown command {'ınput'!r} (expected one of INPUT, NORM, GAMMA, "
+                   "BETA, EPS)", f"line 2: unknown command {'EPſ'!r} (expected one of INPUT, "
+                   "NORM, GAMMA, BETA, EPS)"]
+
+
+def test_a_byte_order_mark_on_stdin_is_not_part_of_the_first_command(monkeypatch):
+    assert run_main(["lines"], "\ufeffINPUT 10 20 60\nNORM\n", monkeypatch) == (
+        0, "-0.9258 -0.4629 1.3887\n", "")
+
+
+@pytest.mark.parametrize("line", ["INPUT 1 {huge}x", "{huge}x 1", "GAMMA {huge}x",
+                                  "EPS -{huge}", "INPUT \x1b[31m{huge}"])
+def test_a_long_bad_word_is_cut_short_in_the_message(line):
+    huge = "1" * 10_000_000
+    status, _, err = run(line.format(huge=huge) + "\n")
+    assert status == 1 and len(err) == 1
+    assert len(err[0]) < 200 and "(1000000" in err[0], err[0][:300]
+    assert "\x1b" not in err[0]  # control characters are escaped, never sent to a terminal
+
+
+@pytest.mark.parametrize("value", ["١٢", "²", "1_0", "+5", "５", "99999999999999999999"])
+def test_precision_is_plain_ascii_digits(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["lines", "--precision", value])
+    assert exit_info.value.code == 2
+    assert "--precision" in capsys.readouterr().err
+
+
+MANY_LINES = "INPUT 1 2 3\nNORM\n" * 200_000
+
+
+def test_a_reader_that_stops_reading_ends_the_program_quietly(tmp_path):
+    """`fastln lines | head -1`: a BrokenPipeError traceback before; now status 141 (as if
+    ended by SIGPIPE) and nothing on stderr."""
+    commands = tmp_path / "commands.txt"
+    commands.write_text(MANY_LINES)
+    with open(commands) as stdin:
+        child = subprocess.Popen([sys.executable, "-m", "fastln", "lines"], stdin=stdin,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout.readline() == b"-1.2247 0.0000 1.2247\n"
+    child.stdout.close()  # as head does after its line
+    assert child.wait(timeout=120) == 141
+    assert child.stderr.read() == b""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_output_that_cannot_be_written_is_a_message_and_status_2():
+    with open("/dev/full", "w") as full:
+        child = subprocess.run([sys.executable, "-m", "fastln", "lines"], input=MANY_LINES,
+                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert child.returncode == 2
+    assert child.stderr == "fastln lines: cannot write the output: No space left on device\n"
+
+
+class _FailingInput:
+    """stdin whose reading fails after some lines (EIO), or is interrupted (Ctrl-C)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __iter__(self):
+        yield "INPUT 10 20 60\n"
+        yield "NORM\n"
+        raise self.error
+
+
+@pytest.mark.parametrize("error, status, message", [
+    (OSError(5, "Input/output error"), 2, "fastln lines: cannot read stdin: Input/output error\n"),
+    (IsADirectoryError(21, "Is a directory"), 2, "fastln lines: cannot read stdin: Is a "
+                                                 "directory\n"),
+    (KeyboardInterrupt(), 130, ""),
+])
+def test_input_that_cannot_be_read_and_ctrl_c(error, status, message, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", _FailingInput(error))
+    assert run_main(["lines"]) == (status, "-0.9258 -0.4629 1.3887\n", message)

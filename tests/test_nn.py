@@ -3,6 +3,9 @@ the one-forward-one-backward rule, gradient accumulation, state dicts, files, ch
 
 The torch tests skip when PyTorch is not installed; everything else runs without it.
 """
+from decimal import Decimal
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -163,8 +166,8 @@ def test_batch_norm_with_unbiased_running_var_matches_torch_in_both_modes(dtype,
 
 
 @requires_torch
-def test_batch_norm_default_follows_the_lesson_biased_running_var():
-    """Default: running_var takes the biased batch variance (the lesson); torch's the unbiased."""
+def test_batch_norm_default_takes_the_biased_batch_variance():
+    """Default: running_var takes the biased batch variance (divide by m); torch's the unbiased."""
     rng = np.random.default_rng(3)
     x = random(rng, (8, 3), np.float64, scale=2.0)
     layer = nn.BatchNorm(3, momentum=0.9, dtype=np.float64)
@@ -237,7 +240,7 @@ def test_batch_norm_unbiased_needs_two_values_per_feature():
     with pytest.raises(ValueError, match="more than one value per feature"):
         layer(np.ones((1, 3)))
     assert int(layer.num_batches_tracked) == 0
-    y = nn.BatchNorm(3)(np.array([[1.0, 2.0, 3.0]]))  # the lesson's (biased) rule allows it
+    y = nn.BatchNorm(3)(np.array([[1.0, 2.0, 3.0]]))  # the biased variance (divide by m) allows it
     np.testing.assert_array_equal(y, 0.0)
 
 
@@ -358,6 +361,19 @@ def test_input_shape_is_checked_against_the_layer():
     (lambda: nn.BatchNorm(4, momentum=1.5), ValueError, "momentum"),
     (lambda: nn.BatchNorm(4, axis=1.0), TypeError, "axis"),
     (lambda: nn.BatchNorm(4, affine="yes"), TypeError, "affine"),
+    # numbers of every kind: never an OverflowError, never a bool taken as 1
+    (lambda: nn.LayerNorm(768, eps=10**400), ValueError, "^eps must be a finite number"),
+    (lambda: nn.RMSNorm(8, eps=Fraction(10**400, 3)), ValueError, "^eps must be"),
+    (lambda: nn.BatchNorm(4, eps=Decimal("1e400")), ValueError, "^eps must be"),
+    (lambda: nn.BatchNorm(4, momentum=10**400), ValueError, "^momentum must be in"),
+    (lambda: nn.BatchNorm(4, momentum=Fraction(-1, 10**400)), ValueError, "^momentum"),
+    (lambda: nn.BatchNorm(4, axis=True), TypeError, "^axis must be an int, got a bool"),
+    (lambda: nn.BatchNorm(True), TypeError, "^num_features must be an int, got a bool"),
+    (lambda: nn.BatchNorm(10**400), ValueError, "^num_features .* is too large"),
+    (lambda: nn.LayerNorm((True, 3)), TypeError, "^normalized_shape .*not bools"),
+    (lambda: nn.LayerNorm(10**400), ValueError, "^normalized_shape .* is too large"),
+    (lambda: nn.RMSNorm((2**40, 2**40)), ValueError, "^normalized_shape .* is too large"),
+    (lambda: nn.LayerNorm(8, num_threads=-10**5000), ValueError, "^num_threads"),
 ])
 def test_constructor_arguments_are_checked(call, error, message):
     with pytest.raises(error, match=message):
@@ -458,3 +474,133 @@ def test_repr_says_what_the_layer_is():
         "BatchNorm(16, eps=1e-05, momentum=0.9, axis=-1, affine=True, "
         "track_running_stats=True, dtype=float32, training=False)")
     assert "unbiased_running_var=True" in repr(nn.BatchNorm(2, unbiased_running_var=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# num_batches_tracked and atomic forwards (issue: a uint64 count >= 2**63 loaded as a negative
+# number; the next forward with momentum=None raised ZeroDivisionError or froze the running
+# statistics; int64 max made the forward raise after running_mean was updated)
+# ---------------------------------------------------------------------------------------------
+
+def _state_unchanged(layer, before):
+    after = layer.state_dict()
+    return all(after[key].dtype == value.dtype and np.array_equal(after[key], value)
+               for key, value in before.items())
+
+
+@pytest.mark.parametrize("count", [np.uint64(2**63), np.uint64(2**64 - 1), np.int64(-1),
+                                   np.array(-(2**63)), np.array(2**63, dtype=np.uint64)])
+def test_load_state_dict_refuses_a_count_beyond_int64(count):
+    layer = trained_batch_norm()
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match=r"^state_dict\['num_batches_tracked'\] must be a count"):
+        layer.load_state_dict(dict(before, num_batches_tracked=count))
+    assert _state_unchanged(layer, before)
+
+
+@pytest.mark.parametrize("count", [0, 7, 2**63 - 2, 2**63 - 1])
+def test_load_state_dict_takes_every_int64_count_of_any_integer_dtype(count):
+    layer = nn.BatchNorm(3)
+    layer.load_state_dict(dict(layer.state_dict(), num_batches_tracked=np.uint64(count)))
+    assert layer.num_batches_tracked.dtype == np.int64 and int(layer.num_batches_tracked) == count
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_a_forward_that_cannot_count_its_batch_changes_nothing(momentum, unbiased):
+    layer = nn.BatchNorm(3, momentum=momentum, unbiased_running_var=unbiased)
+    x = random(np.random.default_rng(12), (8, 3), np.float32, scale=2.0)
+    layer.load_state_dict(dict(layer.state_dict(), num_batches_tracked=np.int64(2**63 - 1)))
+    before = layer.state_dict()
+    with pytest.raises(RuntimeError, match="num_batches_tracked is 9223372036854775807"):
+        layer(x)
+    assert _state_unchanged(layer, before)
+    layer.eval()(x)  # evaluation counts nothing: still fine
+    layer.train().num_batches_tracked[...] = -1  # a count set by hand, not loaded
+    with pytest.raises(RuntimeError, match="num_batches_tracked is -1"):
+        layer(x)
+    layer.num_batches_tracked[...] = 2**63 - 2  # one batch left: the forward completes
+    layer(x)
+    assert int(layer.num_batches_tracked) == 2**63 - 1
+    assert np.all(np.isfinite(layer.running_mean)) and np.all(layer.running_var > 0)
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+@pytest.mark.parametrize("frozen", ["running_mean", "running_var"])
+def test_a_forward_with_a_read_only_running_statistic_changes_nothing(unbiased, frozen):
+    layer = trained_batch_norm()
+    layer.unbiased_running_var = unbiased
+    getattr(layer, frozen).flags.writeable = False
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match=f"{frozen} is read-only"):
+        layer(random(np.random.default_rng(13), (8, 3), np.float32))
+    assert _state_unchanged(layer, before)
+
+
+def test_load_state_dict_into_a_read_only_array_changes_nothing():
+    layer = trained_batch_norm()
+    layer.running_var.flags.writeable = False
+    before = layer.state_dict()
+    new = {key: value + 1 for key, value in before.items()}
+    with pytest.raises(ValueError, match="BatchNorm.running_var is read-only"):
+        layer.load_state_dict(new)
+    assert _state_unchanged(layer, before)
+
+
+def test_load_reads_the_file_save_wrote_not_a_stale_one_beside_it(tmp_path):
+    """save(p) writes p.npz; load(p) read a file named p when there was one."""
+    saved, stale = trained_batch_norm(), nn.BatchNorm(3)
+    path = tmp_path / "model"
+    saved.save(path)
+    with open(path, "wb") as file:  # an older archive under the bare name
+        np.savez(file, **stale.state_dict())
+    fresh = nn.BatchNorm(3).load(path)
+    assert _state_unchanged(fresh, saved.state_dict())
+    assert _state_unchanged(nn.BatchNorm(3).load(str(path)), saved.state_dict())
+    (tmp_path / "model.npz").unlink()  # only the bare name left: that is what load reads
+    assert _state_unchanged(nn.BatchNorm(3).load(path), stale.state_dict())
+
+
+@requires_torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("make", ["LayerNorm", "RMSNorm", "BatchNorm"])
+def test_a_bfloat16_state_dict_loads(make, dtype):
+    """A bfloat16 torch model's state dict (NumPy has no bfloat16): every bfloat16 is a float32,
+    so it loads without loss into float32 and float64 layers, torch tensors and ml_dtypes
+    arrays alike."""
+    torch_layer = getattr(torch.nn, {"BatchNorm": "BatchNorm1d"}.get(make, make))(6)
+    with torch.no_grad():
+        for tensor in torch_layer.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape) * 3 + 0.1)
+    torch_layer = torch_layer.to(torch.bfloat16)
+    layer = getattr(nn, make)(6, dtype=dtype)
+    layer.load_state_dict(torch_layer.state_dict())
+    for key, tensor in torch_layer.state_dict().items():
+        np.testing.assert_array_equal(layer.state_dict()[key], tensor.float().numpy())
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    as_numpy = {key: tensor.float().numpy().astype(ml_dtypes.bfloat16)
+                if tensor.is_floating_point() else tensor.numpy()
+                for key, tensor in torch_layer.state_dict().items()}
+    again = getattr(nn, make)(6, dtype=dtype)
+    again.load_state_dict(as_numpy)
+    assert _state_unchanged(again, layer.state_dict())
+
+
+def test_load_of_a_file_that_is_not_a_saved_state_dict_is_a_clear_error(tmp_path):
+    npy, junk, zipped, objects = (tmp_path / name for name in ("one.npy", "junk.npz",
+                                                               "zip.npz", "objects.npz"))
+    np.save(npy, np.ones(3))
+    junk.write_bytes(b"not numpy at all")
+    zipped.write_bytes(b"PK\x03\x04 but not a zip archive")
+    np.savez(objects, weight=np.array([None] * 3, dtype=object), bias=np.zeros(3))
+    layer = nn.LayerNorm(3)
+    before = layer.state_dict()
+    for path, detail in ((npy, "a single array"), (junk, ""), (zipped, "zip"),
+                         (objects, "entry 'weight'")):
+        with pytest.raises(ValueError, match="is not an .npz archive written by save()") as info:
+            layer.load(path)
+        assert detail in str(info.value)
+        assert _state_unchanged(layer, before)
+    with pytest.raises(FileNotFoundError):
+        layer.load(tmp_path / "missing")

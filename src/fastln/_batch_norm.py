@@ -82,9 +82,10 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
     if training and running_mean is not None and n_features > 0:
         update_running(running_mean, momentum, mean)
         update_running_var(running_var, momentum, var)
+    result = y if out is None else out  # y is a plain view of a subclass's out: return out
     if not keep_cache:
-        return y
-    return y, BatchNormCache(x, mean, rstd, axis, eps, training, dtype)
+        return result
+    return result, BatchNormCache(x, mean, rstd, axis, eps, training, dtype)
 
 
 def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *, training=False,
@@ -234,7 +235,7 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     (array([ 0.1763, -0.2204,  0.0441]), array([-0.9258]), array([1.]))
     """
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "batch_norm")
+    cache = check_cache(cache, dy, "batch_norm")  # the checked copy: fields read only once
     dtype = cache.dtype
     n_outer, n_features, n_inner = feature_layout(cache.shape, cache.axis)
     gamma = check_feature_param(gamma, "gamma", n_features, dtype)
@@ -243,12 +244,13 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dx = empty_output(cache.shape, dtype) if out is None else check_out(out, cache.shape, dtype)
     dgamma = np.zeros(n_features, compute_dtype(dtype))
     dbeta = np.zeros(n_features, compute_dtype(dtype))
+    result = dx if out is None else out  # dx is a plain view of a subclass's out: return out
     if dx.size == 0:
-        return dx, dgamma, dbeta
+        return result, dgamma, dbeta
     dy_data = protect_from_output(as_kernel_array(dy, dtype), dx)
     x_data = protect_from_output(as_kernel_array(cache.x, dtype), dx)
     _kernels.batch_norm_backward(
         dy_data, x_data, dx, dgamma, dbeta, n_outer, n_features, n_inner, gamma,
         as_kernel_array(cache.mean, FLOAT64), as_kernel_array(cache.rstd, FLOAT64),
         cache.training, cache.eps, _kernels.storage_code(dtype), num_threads)
-    return dx, dgamma, dbeta
+    return result, dgamma, dbeta

@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from fastln._checks import output_dtype
+from fastln._checks import describe, output_dtype, plain_ndarray, refuse_masked
 
 
 class RowNormCache:
@@ -125,45 +125,77 @@ _CACHE_STATISTICS = {
 }
 
 
-def _check_cache_contents(cache, op):
-    """A cache's fields must still be what its forward made: a backward trusts their sizes."""
+def _checked_contents(cache, op):
+    """A copy of the cache, of op's cache class, holding the fields once checked: they must
+    still be what the forward made, since a backward trusts their sizes.
+
+    Each field is read once, and arrays are taken as plain ndarrays on the cache's memory
+    (see plain_ndarray): the sizes the backward hands the kernels come from these, not from a
+    subclass's attributes or from a second read of a field that has changed since.
+    """
     x = cache.x
-    if not isinstance(x, np.ndarray) or x.ndim == 0:
+    refuse_masked(x, "cache.x")
+    if not issubclass(type(x), np.ndarray) or plain_ndarray(x).ndim == 0:
         raise ValueError(f"cache.x must be the forward's input array, got {type(x).__name__}")
+    x = plain_ndarray(x)
     axis = cache.axis
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral) \
             or not 0 <= axis < x.ndim:
-        raise ValueError(f"cache.axis must be an int in [0, {x.ndim}), got {axis!r}")
-    if not isinstance(cache.eps, numbers.Real) or not 0 <= cache.eps < math.inf:
-        raise ValueError(f"cache.eps must be a finite number >= 0, got {cache.eps!r}")
+        raise ValueError(f"cache.axis must be an int in [0, {x.ndim}), got {describe(axis)}")
+    axis = int(axis)
+    eps = cache.eps
+    if not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+        raise ValueError(f"cache.eps must be a finite number >= 0, got {describe(eps)}")
+    try:
+        eps = float(eps)
+    except (OverflowError, ValueError):
+        raise ValueError("cache.eps must be a finite number >= 0, got a number beyond float64")
     names, expected_shape = _CACHE_STATISTICS[op]
+    statistics = {}
     for name in names:
         statistic = getattr(cache, name)
-        if not isinstance(statistic, np.ndarray) or statistic.dtype.kind != "f":
+        refuse_masked(statistic, f"cache.{name}")
+        if (not issubclass(type(statistic), np.ndarray)
+                or plain_ndarray(statistic).dtype.kind != "f"):
             raise ValueError(f"cache.{name} must be a floating ndarray, "
                              f"got {type(statistic).__name__}")
+        statistic = plain_ndarray(statistic)
         if statistic.shape != tuple(expected_shape(x.shape, axis)):
             raise ValueError(f"cache.{name} has shape {statistic.shape}, expected "
                              f"{tuple(expected_shape(x.shape, axis))} for x of shape {x.shape}")
+        statistics[name] = statistic
     dtype = cache.dtype
     if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x"):
-        raise ValueError(f"cache.dtype {dtype!r} does not match cache.x ({x.dtype})")
-    if op == "batch_norm" and not isinstance(cache.training, (bool, np.bool_)):
-        raise ValueError(f"cache.training must be a bool, got {cache.training!r}")
+        raise ValueError(f"cache.dtype {describe(dtype)} does not match cache.x ({x.dtype})")
+    if op == "layer_norm":
+        return LayerNormCache(x, statistics["mean"], statistics["rstd"], axis, eps, dtype)
+    if op == "rms_norm":
+        return RMSNormCache(x, statistics["rstd"], axis, eps, dtype)
+    training = cache.training
+    if not isinstance(training, (bool, np.bool_)):
+        raise ValueError(f"cache.training must be a bool, got {describe(training)}")
+    return BatchNormCache(x, statistics["mean"], statistics["rstd"], axis, eps, bool(training),
+                          dtype)
 
 
 def check_cache(cache, dy, op):
-    """The cache must come from a forward of `op` with y of dy's shape and dtype."""
+    """The cache must come from a forward of `op` with y of dy's shape and dtype.
+
+    Returns the checked copy of the cache (see _checked_contents): a backward reads its fields
+    from that copy, never again from the caller's object.
+    """
     if not hasattr(cache, "op") or not hasattr(cache, "x"):
         raise TypeError(f"cache must be the cache returned by {op}_forward, "
                         f"got {type(cache).__name__}")
-    if cache.op != op:
-        raise ValueError(f"cache comes from {cache.op}_forward; {op}_backward needs the cache "
+    cache_op = cache.op
+    if cache_op != op:
+        raise ValueError(f"cache comes from {cache_op}_forward; {op}_backward needs the cache "
                          f"of {op}_forward")
-    _check_cache_contents(cache, op)
-    if dy.shape != cache.shape:
+    checked = _checked_contents(cache, op)
+    if dy.shape != checked.shape:
         raise ValueError(f"dy has shape {dy.shape}, but the cache is for x of shape "
-                         f"{cache.shape}")
-    if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != cache.dtype:
-        raise ValueError(f"dy has dtype {dy.dtype.name}, expected {cache.dtype.name} "
+                         f"{checked.shape}")
+    if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != checked.dtype:
+        raise ValueError(f"dy has dtype {dy.dtype.name}, expected {checked.dtype.name} "
                          "(the dtype of the forward's y)")
+    return checked

@@ -5,6 +5,7 @@ it and says what was expected and what was given. Nothing here modifies its inpu
 on purpose: fastln.reference uses these checks, and must keep working when the compiled kernels
 cannot be loaded.
 """
+import decimal
 import math
 import numbers
 import operator
@@ -59,38 +60,125 @@ def output_dtype(dtype, name="x"):
     )
 
 
+def _holds_masked(value):
+    """Whether value is a masked array, or a (nested) list or tuple holding one anywhere
+    (numpy.ma.masked, the masked constant, is a masked array too)."""
+    if isinstance(value, np.ma.MaskedArray):
+        return True
+    if not isinstance(value, (list, tuple)):
+        return False
+    # The types of the items, collected at C speed: a long list of numbers costs one pass.
+    item_types = set(map(type, value))
+    if any(issubclass(item_type, np.ma.MaskedArray) for item_type in item_types):
+        return True
+    return any(_holds_masked(item) for item in value if isinstance(item, (list, tuple)))
+
+
+def refuse_masked(value, name):
+    """A TypeError for masked arrays: fastln computes with every value it is given, so it
+    refuses an array whose mask says some of them are not to be used (NumPy would hand over
+    the masked values as if they were data)."""
+    if _holds_masked(value):
+        raise TypeError(
+            f"{name} is a numpy.ma.MaskedArray (or holds one): fastln does not honour masks, "
+            f"and would use the masked values as data; pass np.ma.getdata({name}) (or "
+            f"{name}.filled(value)) to use every value, or remove the masked values first")
+
+
+def plain_ndarray(array):
+    """`array` (an ndarray of any subclass) as an exact numpy.ndarray on the same memory: the
+    array itself when it is one already, else a view of it.
+
+    The kernels take their data pointers, shapes and strides from the arrays the checks looked
+    at, so those must be numpy's own. A subclass may override reshape, ravel, view, astype,
+    copy, __getitem__, __array_function__, even shape, dtype or flags; none of them may decide
+    the memory the kernels touch. ndarray.view is taken from the base class, which a subclass
+    cannot override, and a view of type ndarray does not run the subclass's __array_finalize__.
+    """
+    if type(array) is np.ndarray:
+        return array
+    return np.ndarray.view(array, np.ndarray)
+
+
 def as_array(value, name):
-    """np.asarray with a clear error for things that are not numeric arrays."""
-    if isinstance(value, np.ndarray):
-        return value
+    """np.asarray with a clear error for things that are not numeric arrays.
+
+    ndarrays of any subclass come back as a plain ndarray on the same memory (see
+    plain_ndarray), never copied; masked arrays are refused (see refuse_masked).
+    """
+    refuse_masked(value, name)
+    if issubclass(type(value), np.ndarray):
+        return plain_ndarray(value)
     try:
         array = np.asarray(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"{name} must be array-like, got {type(value).__name__}: {exc}") from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # also what an __array__, __len__ or __getitem__ of its own raises
+        raise TypeError(f"{name} must be array-like, got {type(value).__name__}: "
+                        f"{str(exc)[:200]}") from exc
     if array.dtype.kind in "OSUV":
         raise TypeError(f"{name} must be a numeric array, got {type(value).__name__} "
                         f"that converts to dtype {array.dtype}")
     return array
 
 
+def describe(value, limit=60):
+    """repr(value) for an error message, shortened when long: the repr of 10**400 has 401
+    digits, and Python refuses to write an int of more than 4300 digits at all."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<{type(value).__name__} too large to print>"
+    if len(text) > limit:
+        text = f"{text[:limit // 2]}...{text[-10:]} ({len(text)} characters)"
+    return text
+
+
+def check_int_argument(value, name):
+    """An int argument (an axis, a size) as a Python int: any integer type but bool, whose
+    True would silently mean 1."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    if isinstance(value, np.timedelta64):  # registered as an integer, but a duration
+        raise TypeError(f"{name} must be an int, got timedelta64")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
 def normalize_axis(axis, ndim):
     """The first normalized axis as a non-negative int; negative values count from the end."""
-    try:
-        index = operator.index(axis)
-    except TypeError:
-        raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+    index = check_int_argument(axis, "axis")
     if not -ndim <= index < ndim:
-        raise ValueError(f"axis {index} is out of bounds for x with {ndim} dimension(s)")
+        raise ValueError(f"axis {describe(index)} is out of bounds for x with {ndim} "
+                         "dimension(s)")
     return index % ndim
+
+
+def real_number(value, name, requirement):
+    """A real-number argument (int, float, Fraction, Decimal, NumPy scalar; not bool) as a
+    float. TypeError for anything else; ValueError, saying `requirement`, for a value beyond
+    float64 (10**400, Fraction(10**400, 3): float() would raise OverflowError) or that float
+    cannot represent (a signalling Decimal NaN)."""
+    # NumPy's timedelta64 is registered as an integer: a duration is not a number here.
+    if (isinstance(value, (bool, np.bool_, np.timedelta64))
+            or not isinstance(value, (numbers.Real, decimal.Decimal))):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (OverflowError, ValueError, ArithmeticError):
+        raise ValueError(f"{name} must be {requirement}, got {describe(value)}, which does "
+                         "not convert to a float64") from None
 
 
 def check_eps(eps):
     """eps as a float: a finite number >= 0."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    value = float(eps)
-    if not np.isfinite(value) or value < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    requirement = "a finite number >= 0"
+    value = real_number(eps, "eps", requirement)
+    # The sign is taken from eps itself too: Fraction(-1, 10**400) rounds to -0.0.
+    if not math.isfinite(value) or value < 0 or eps < 0:
+        raise ValueError(f"eps must be {requirement}, got {describe(eps)}")
     return value
 
 
@@ -98,9 +186,10 @@ def check_num_threads(num_threads):
     """None (the default count, see fastln._threads.resolve_num_threads) or a positive int."""
     if num_threads is None:
         return None
-    if (isinstance(num_threads, (bool, np.bool_))
+    if (isinstance(num_threads, (bool, np.bool_, np.timedelta64))
             or not isinstance(num_threads, numbers.Integral) or num_threads < 1):
-        raise ValueError(f"num_threads must be None or a positive int, got {num_threads!r}")
+        raise ValueError(f"num_threads must be None or a positive int, got "
+                         f"{describe(num_threads)}")
     return int(num_threads)
 
 
@@ -116,8 +205,10 @@ def rows_and_cols(shape, axis):
 
 
 def as_kernel_array(array, dtype):
-    """A C-contiguous, aligned, native-order array of `dtype`; a copy only when needed."""
-    return np.require(array, dtype=dtype, requirements="CA")
+    """A C-contiguous, aligned, native-order plain ndarray of `dtype`; a copy only when needed.
+
+    (np.require keeps subclasses and calls their methods: it gets the plain view.)"""
+    return np.require(plain_ndarray(array), dtype=dtype, requirements="CA")
 
 
 def check_input(x, name="x"):
@@ -144,9 +235,16 @@ def check_param(param, name, expected_shape, dtype):
 
 
 def check_out(out, shape, dtype, name="out"):
-    """A caller's output buffer must be a writeable C-contiguous ndarray of shape and dtype."""
-    if not isinstance(out, np.ndarray):
+    """A caller's output buffer must be a writeable C-contiguous ndarray of shape and dtype.
+
+    Returns the array to write: out itself, or for a subclass of ndarray a plain ndarray on
+    out's memory (see plain_ndarray), whose attributes are the ones checked here. A function
+    that writes it still returns the caller's own out.
+    """
+    if not issubclass(type(out), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(out).__name__}")
+    refuse_masked(out, name)
+    out = plain_ndarray(out)
     if out.shape != tuple(shape):
         raise ValueError(f"{name} has shape {out.shape}, expected {tuple(shape)}")
     if out.dtype != dtype:
@@ -160,13 +258,14 @@ def check_out(out, shape, dtype, name="out"):
 
 def check_out_keeps_x(out, x, op):
     """A forward that returns a cache keeps x for the backward, so out must not overwrite it."""
-    if np.may_share_memory(out, x):
+    if np.may_share_memory(plain_ndarray(out), plain_ndarray(x)):
         raise ValueError(f"out overlaps x: {op}_forward keeps x for the backward pass; use "
                          f"fastln.{op} for an in-place forward")
 
 
 def same_memory(a, b):
     """True when a and b start at the same address with the same C-contiguous layout."""
+    a, b = plain_ndarray(a), plain_ndarray(b)
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
             and a.shape == b.shape and a.strides == b.strides)
 
@@ -177,7 +276,10 @@ def protect_from_output(array, out):
     Element i of every row is read before element i of the output is written, so an output
     exactly on top of an input is safe (in place); any other overlap is not.
     """
-    if array is None or not np.may_share_memory(array, out):
+    if array is None:
+        return array
+    array, out = plain_ndarray(array), plain_ndarray(out)
+    if not np.may_share_memory(array, out):
         return array
     if array.size == out.size and same_memory(array, out.reshape(array.shape)):
         return array
@@ -225,7 +327,7 @@ def check_running(running, name, n_features, training):
     floating dtype (any strides and byte order). In evaluation mode they are only read: any real
     array_like. Returns the array to update (training) or a float64 copy (evaluation).
     """
-    if training and not isinstance(running, np.ndarray):
+    if training and not issubclass(type(running), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray (it is updated in place in training "
                         f"mode), got {type(running).__name__}")
     array = as_array(running, name)
@@ -246,12 +348,11 @@ def check_running(running, name, n_features, training):
 
 def check_momentum(momentum):
     """momentum as a float in [0, 1] (the weight of the old running value)."""
-    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, numbers.Real):
-        raise TypeError(f"momentum must be a real number, got {type(momentum).__name__}")
-    value = float(momentum)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"momentum must be in [0, 1] (the weight of the old running value), "
-                         f"got {momentum!r}")
+    requirement = "in [0, 1] (the weight of the old running value)"
+    value = real_number(momentum, "momentum", requirement)
+    # The bounds are checked on momentum itself too: Fraction(10**400 + 1, 10**400) rounds to 1.
+    if not 0.0 <= value <= 1.0 or not 0 <= momentum <= 1:
+        raise ValueError(f"momentum must be {requirement}, got {describe(momentum)}")
     return value
 
 

@@ -102,9 +102,11 @@ def _forward(name, x, residual, gamma, beta, bias, eps, axis, out, sum_out, num_
                                     num_threads)
     else:
         _kernels.rms_norm_forward(x_rows, gamma, outputs[0], rstd, eps, storage, num_threads)
-    results = (y, s) if op.fused else (y,)
+    # y and s are plain views of a subclass's out and sum_out: return the caller's own arrays
+    results = (y if out is None else out,) + ((s if sum_out is None else sum_out,)
+                                              if op.fused else ())
     if not keep_cache:
-        return results if op.fused else y
+        return results if op.fused else results[0]
     normalized = s if op.fused else x
     return (*results, _new_cache(op, normalized, mean, rstd, axis, eps, dtype))
 
@@ -123,7 +125,7 @@ def _backward(name, dy, cache, gamma, out, num_threads):
     are made in the order their errors are raised: dy, the cache, gamma, num_threads, out."""
     has_beta = _OPS[name].has_beta
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, name)
+    cache = check_cache(cache, dy, name)  # the checked copy: its fields are read only once
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
     n_rows, n_cols = rows_and_cols(cache.shape, cache.axis)
@@ -144,12 +146,13 @@ def _backward(name, dy, cache, gamma, out, num_threads):
     if not has_beta:
         _kernels.rms_norm_backward(dy_rows, x_rows, gamma, rstd, dx_rows, dgamma.reshape(-1),
                                    cache.eps, storage, num_threads)
-        return dx, dgamma
+        return dx if out is None else out, dgamma
     mean = as_kernel_array(cache.mean, stats_dtype).reshape(n_rows)
     dbeta = np.empty(normalized_shape, stats_dtype)
     _kernels.layer_norm_backward(dy_rows, x_rows, gamma, mean, rstd, dx_rows, dgamma.reshape(-1),
                                  dbeta.reshape(-1), cache.eps, storage, num_threads)
-    return dx, dgamma, dbeta
+    # dx is a plain view of a subclass's out: return out
+    return dx if out is None else out, dgamma, dbeta
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from fastln._checks import (
     compute_dtype,
     normalize_axis,
     output_dtype,
+    refuse_masked,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,6 +71,8 @@ def _prepare(x: Any, name: str = "arr") -> tuple[Any, np.dtype]:
     da = _dask_array()
     if not isinstance(x, da.Array):
         x = da.asarray(check_input(x, name)[0])
+    elif isinstance(x._meta, np.ma.MaskedArray):  # its blocks are masked arrays
+        refuse_masked(x._meta, name)
     dtype = output_dtype(x.dtype, name)
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least 1 dimension, got a 0-d array")

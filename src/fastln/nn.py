@@ -1,7 +1,7 @@
 """Normalization layers for models written in NumPy: ``LayerNorm``, ``RMSNorm``, ``BatchNorm``.
 
-Each layer owns its parameters as NumPy arrays, named as in PyTorch (``weight`` is the lessons'
-gamma, ``bias`` their beta), so the ``state_dict`` of the matching ``torch.nn`` layer loads
+Each layer owns its parameters as NumPy arrays, named as in PyTorch (``weight`` is the scale
+gamma, ``bias`` the shift beta), so the ``state_dict`` of the matching ``torch.nn`` layer loads
 unchanged and ours loads into torch after ``torch.from_numpy``::
 
     import numpy as np
@@ -32,24 +32,36 @@ Conventions shared by the three layers:
   ``zero_grad()``, which zeroes them in place, like PyTorch's ``.grad``.
 - ``train()`` / ``eval()`` set ``training``. Only BatchNorm behaves differently (batch statistics
   while training, running statistics in evaluation); LayerNorm and RMSNorm compute exactly the
-  same thing in both modes, as the lessons stress.
+  same thing in both modes (each sample is normalized with its own statistics).
 - ``state_dict()`` returns copies; ``load_state_dict()`` checks every key, shape and dtype before
   changing anything and then writes into the existing arrays, so references an optimizer holds
   stay valid. ``save(path)`` / ``load(path)`` store and read the state dict as ``.npz``.
 """
+import math
 import numbers
-import operator
 import os
+import zipfile
 from collections import namedtuple
 
 import numpy as np
 
 import fastln
 from fastln._batch_norm import update_running, update_running_var
-from fastln._checks import as_array, check_eps, check_momentum
+from fastln._checks import (
+    as_array,
+    check_eps,
+    check_int_argument,
+    check_momentum,
+    check_running,
+    describe,
+    is_bfloat16,
+    refuse_masked,
+)
 from fastln._threads import resolve_num_threads
 
 __all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+
+_MAX_BATCH_COUNT = 2**63 - 1  # num_batches_tracked is an int64, as in torch
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -70,18 +82,28 @@ def _layer_dtype(dtype):
 
 
 def _normalized_shape(normalized_shape):
-    """An int or a sequence of ints, each >= 1, as a non-empty tuple."""
-    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+    """An int or a sequence of ints (not bools), each >= 1, as a non-empty tuple."""
+    if (isinstance(normalized_shape, (numbers.Integral, np.integer))
+            and not isinstance(normalized_shape, (bool, np.bool_))):
         normalized_shape = (normalized_shape,)
     try:
-        shape = tuple(operator.index(size) for size in normalized_shape)
+        shape = tuple(check_int_argument(size, "normalized_shape") for size in normalized_shape)
     except TypeError:
-        raise TypeError(f"normalized_shape must be an int or a tuple of ints, got "
-                        f"{normalized_shape!r}") from None
+        raise TypeError(f"normalized_shape must be an int or a tuple of ints (not bools), got "
+                        f"{describe(normalized_shape)}") from None
     if not shape or any(size < 1 for size in shape):
         raise ValueError(f"normalized_shape must be a non-empty tuple of positive ints, got "
-                         f"{normalized_shape!r}")
+                         f"{describe(normalized_shape)}")
+    _check_allocatable(math.prod(shape), "normalized_shape", normalized_shape)
     return shape
+
+
+def _check_allocatable(n_elements, name, given):
+    """A ValueError naming the argument, where NumPy would say "Maximum allowed dimension
+    exceeded" or "array is too big" (a size that fits memory but not this machine's is still
+    a MemoryError when the arrays are made)."""
+    if n_elements * np.dtype(np.float64).itemsize > np.iinfo(np.intp).max:
+        raise ValueError(f"{name} {describe(given)} is too large for an array")
 
 
 def _check_bool(value, name):
@@ -91,10 +113,15 @@ def _check_bool(value, name):
 
 
 def _as_numpy(value, key):
-    """A state-dict entry as an ndarray: NumPy arrays, PyTorch tensors, anything array-like."""
+    """A state-dict entry as an ndarray: NumPy arrays, PyTorch tensors, anything array-like
+    (not a masked array: np.asarray would drop its mask)."""
+    refuse_masked(value, f"state_dict[{key!r}]")
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch.Tensor, without torch
         try:
-            value = value.detach().cpu().numpy()
+            value = value.detach().cpu()
+            if str(value.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: float32 holds
+                value = value.float()                 # every bfloat16 exactly
+            value = value.numpy()
         except (TypeError, RuntimeError) as exc:
             raise TypeError(f"state_dict[{key!r}]: cannot convert the tensor to NumPy: "
                             f"{exc}") from None
@@ -103,7 +130,21 @@ def _as_numpy(value, key):
     except (TypeError, ValueError) as exc:
         raise TypeError(f"state_dict[{key!r}] must be array-like, got "
                         f"{type(value).__name__}: {exc}") from None
+    if is_bfloat16(array.dtype):  # ml_dtypes' bfloat16: exactly float32 too
+        array = array.astype(np.float32)
     return array
+
+
+def _saved_file(path):
+    """The file save(path) writes: path itself when it ends with .npz (or is a file object),
+    else path + ".npz", as np.savez names it. When that does not exist, path as it is."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return path
+    name = os.fspath(path)
+    suffix = b".npz" if isinstance(name, bytes) else ".npz"
+    if name.endswith(suffix) or not os.path.exists(name + suffix):
+        return name
+    return name + suffix
 
 
 class _Layer:
@@ -259,6 +300,9 @@ class _Layer:
 
     def _check_state_value(self, key, value):
         target = np.asarray(getattr(self, key))
+        if not target.flags.writeable:  # found now, not after other arrays were written
+            raise ValueError(f"{type(self).__name__}.{key} is read-only: load_state_dict "
+                             "writes the values into the layer's own arrays")
         if value.shape != target.shape:
             raise ValueError(f"state_dict[{key!r}] has shape {value.shape}, but "
                              f"{type(self).__name__}.{key} has shape {target.shape}")
@@ -279,13 +323,26 @@ class _Layer:
     def load(self, path):
         """Load a ``.npz`` written by :meth:`save` (strictly, as :meth:`load_state_dict`).
 
-        ``path`` may omit the ``.npz`` that :meth:`save` added. Returns the layer.
+        ``path`` may omit the ``.npz`` that :meth:`save` added: ``load(p)`` reads the file
+        ``save(p)`` wrote, ``p + ".npz"``, also when a file named ``p`` exists beside it (``p``
+        itself is read only when there is no ``p + ".npz"``). Returns the layer.
         """
-        if (isinstance(path, (str, os.PathLike)) and not os.path.exists(path)
-                and os.path.exists(os.fspath(path) + ".npz")):
-            path = os.fspath(path) + ".npz"
-        with np.load(path, allow_pickle=False) as archive:
-            self.load_state_dict({key: archive[key] for key in archive.files})
+        path = _saved_file(path)
+        not_saved = f"{describe(path)} is not an .npz archive written by save()"
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # not NumPy's; pickled data
+            raise ValueError(f"{not_saved}: {exc}") from None
+        if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy: one array, no names
+            raise ValueError(f"{not_saved}: it holds a single array")
+        with archive:
+            state = {}
+            for key in archive.files:
+                try:
+                    state[key] = archive[key]
+                except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # object arrays, ...
+                    raise ValueError(f"{not_saved}: entry {key!r}: {exc}") from None
+        self.load_state_dict(state)
         return self
 
 
@@ -415,14 +472,14 @@ class BatchNorm(_Layer):
 
     **Against PyTorch.** The state dict has torch's keys: ``weight``, ``bias``,
     ``running_mean``, ``running_var``, ``num_batches_tracked`` (a 0-d int64 count of training
-    batches). Two conventions differ, and the defaults follow the lesson:
+    batches). Two conventions differ, and the defaults are the formulas above:
 
-    - ``momentum`` is the weight of the OLD running value (the lesson's alpha, Keras'
-      momentum); torch's weighs the new batch. ``torch_momentum = 1 - momentum``, so the
+    - ``momentum`` is the weight of the OLD running value (the alpha of
+      ``running = alpha * running + (1 - alpha) * batch``, Keras' momentum); torch's weighs the new batch. ``torch_momentum = 1 - momentum``, so the
       defaults agree (0.9 here, 0.1 in torch). ``momentum=None`` is torch's cumulative average
       (the new batch weighs ``1 / num_batches_tracked``).
-    - The running variance takes the batch's biased variance (divide by m, as the lesson
-      writes it and Keras does); torch's takes the unbiased one (divide by m - 1).
+    - The running variance takes the batch's biased variance (divide by m, the variance
+      the batch is normalized with, as Keras does); torch's takes the unbiased one (divide by m - 1).
       ``unbiased_running_var=True`` follows torch, so that the running statistics of a layer
       trained here and a torch layer trained on the same batches agree; a batch with one value
       per feature then raises, as in torch. The normalization itself always uses the biased
@@ -452,18 +509,16 @@ class BatchNorm(_Layer):
                  track_running_stats=True, dtype=np.float32, *, unbiased_running_var=False,
                  num_threads=None):
         super().__init__(dtype, num_threads)
-        if (isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral)
-                or num_features < 1):
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        self.num_features = int(num_features)
+        count = check_int_argument(num_features, "num_features")
+        if count < 1:
+            raise ValueError(f"num_features must be a positive int, got {describe(count)}")
+        _check_allocatable(count, "num_features", count)
+        self.num_features = count
         self.eps = check_eps(eps)
         if momentum is not None:
             momentum = check_momentum(momentum)
         self.momentum = momentum
-        try:
-            self.axis = operator.index(axis)
-        except TypeError:
-            raise TypeError(f"axis must be an int, got {type(axis).__name__}") from None
+        self.axis = check_int_argument(axis, "axis")
         self.affine = _check_bool(affine, "affine")
         self.track_running_stats = _check_bool(track_running_stats, "track_running_stats")
         self.unbiased_running_var = _check_bool(unbiased_running_var, "unbiased_running_var")
@@ -497,12 +552,34 @@ class BatchNorm(_Layer):
 
     def _check_state_value(self, key, value):
         if key == "num_batches_tracked":
-            if value.shape != () or value.dtype.kind not in "iu" or value < 0:
+            if value.shape != () or value.dtype.kind not in "iu":
                 raise TypeError(f"state_dict['num_batches_tracked'] must be a non-negative "
                                 f"integer scalar (0-d array), got {value.dtype} array of shape "
                                 f"{value.shape}")
-            return value
+            # An int64 count, as torch's: a uint64 of 2**63 or more would be stored negative.
+            count = int(value)
+            if not 0 <= count <= _MAX_BATCH_COUNT:
+                raise ValueError(f"state_dict['num_batches_tracked'] must be a count in "
+                                 f"[0, 2**63 - 1], got {describe(count)}")
+            if not self.num_batches_tracked.flags.writeable:
+                raise ValueError("BatchNorm.num_batches_tracked is read-only: load_state_dict "
+                                 "writes the values into the layer's own arrays")
+            return np.int64(count)
         return super()._check_state_value(key, value)
+
+    def _next_batch_count(self):
+        """num_batches_tracked + 1, checked before a training forward changes anything."""
+        try:
+            tracked = int(self.num_batches_tracked)
+        except (TypeError, ValueError):
+            raise RuntimeError(f"BatchNorm.num_batches_tracked must be an integer count, got "
+                               f"{describe(self.num_batches_tracked)}") from None
+        if not 0 <= tracked < _MAX_BATCH_COUNT:
+            raise RuntimeError(
+                f"BatchNorm.num_batches_tracked is {describe(tracked)}: a training forward "
+                f"counts one more batch, which needs a count in [0, 2**63 - 2]; call "
+                "reset_running_stats() or load a smaller count")
+        return tracked + 1
 
     def _forward(self, x):
         common = dict(eps=self.eps, axis=self.axis, num_threads=self.num_threads)
@@ -512,7 +589,7 @@ class BatchNorm(_Layer):
             return fastln.batch_norm_forward(x, self.weight, self.bias, self.running_mean,
                                              self.running_var, training=False, **common)
 
-        count = int(self.num_batches_tracked) + 1
+        count = self._next_batch_count()
         momentum = 1.0 - 1.0 / count if self.momentum is None else self.momentum
         if not self.unbiased_running_var:
             y, cache = fastln.batch_norm_forward(x, self.weight, self.bias, self.running_mean,
@@ -524,6 +601,12 @@ class BatchNorm(_Layer):
                 raise ValueError(f"BatchNorm with unbiased_running_var=True needs more than one "
                                  f"value per feature in training mode (the unbiased variance "
                                  f"divides by m - 1), got x of shape {x.shape}")
+            # The layer's running statistics are updated after the call: check them before it,
+            # so that a forward that fails changes nothing.
+            running_mean = check_running(self.running_mean, "running_mean", self.num_features,
+                                         training=True)
+            running_var = check_running(self.running_var, "running_var", self.num_features,
+                                        training=True)
             # momentum=0 makes batch_norm store the exact batch mean and biased variance here.
             batch_mean = np.zeros(self.num_features)
             batch_var = np.zeros(self.num_features)
@@ -531,8 +614,8 @@ class BatchNorm(_Layer):
                                                  batch_var, training=True, momentum=0.0,
                                                  **common)
             batch_var *= values_per_feature / (values_per_feature - 1)
-            update_running(self.running_mean, momentum, batch_mean)
-            update_running_var(self.running_var, momentum, batch_var)
+            update_running(running_mean, momentum, batch_mean)
+            update_running_var(running_var, momentum, batch_var)
         self.num_batches_tracked[...] = count
         return y, cache
 

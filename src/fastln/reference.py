@@ -1,12 +1,23 @@
-"""The readable reference: the lessons' LAYER_NORM_FORWARD / LAYER_NORM_BACKWARD, line by line.
+"""The readable reference: LayerNorm, RMSNorm, the fused residual add and BatchNorm, forward and
+backward, written out formula by formula.
 
-A loop over rows in float64, written to be checked by eye, not to be fast. Every kernel in
-fastln is tested against these functions. float16 and bfloat16 inputs are computed in float64
-too and rounded once to their format (their gamma, beta and bias are taken as float32, and their
-caches hold float32 statistics, as fastln's do). They take the same arguments and raise the same
-errors as the fast ones (the argument checks are shared); ``num_threads`` is checked and ignored.
+A loop over rows (over features for BatchNorm) in float64, written to be checked by eye, not to
+be fast. Every kernel in fastln is tested against these functions. float16 and bfloat16 inputs
+are computed in float64 too and rounded once to their format (their gamma, beta and bias are
+taken as float32, and their caches hold float32 statistics, as fastln's do). They take the same
+arguments and raise the same errors as the fast ones (the argument checks are shared);
+``num_threads`` is checked and ignored.
+
+Right over the whole float64 range. Each row (each feature of BatchNorm, each row of dy) is
+first scaled by an exact power of two ``2**k`` that brings its largest ``|value|`` into
+``[0.5, 1)``: its deviations and squares can then neither overflow (values near DBL_MAX) nor
+underflow (subnormal values), and k is taken back out of the results. ``sqrt(var + eps)``, which
+may be beyond float64 on the way, is kept as a float and a power of two (see _sqrt_of_sum). A
+result that is itself beyond float64 is +-inf, its honest value; one below it is subnormal or 0.
+NaN and Inf in a row make that row's results NaN (or inf), as in fastln.
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,35 +37,116 @@ from fastln._checks import (
     feature_layout,
     is_half,
     normalize_axis,
+    plain_ndarray,
     rows_and_cols,
 )
 
 __all__ = ["layer_norm", "layer_norm_forward", "layer_norm_backward"]
 
 
+# =============================================================================================
+# Exact scaling by powers of two
+# =============================================================================================
+
+def _ldexp(values, exponent):
+    """values * 2**exponent, rounded once: +-inf beyond float64, subnormal or 0 below it."""
+    with np.errstate(over="ignore", under="ignore"):
+        return np.ldexp(values, exponent)
+
+
+def _unit_exponent(values, axis=None):
+    """k such that the largest |values * 2**k| lies in [0.5, 1) (per column with axis=0); 0
+    where that largest value is 0, Inf or NaN (nothing to scale, or a NaN result anyway)."""
+    largest = np.max(np.abs(values), axis=axis, initial=0.0)
+    return -np.frexp(largest)[1]        # frexp: largest = mantissa * 2**e, mantissa in [0.5, 1)
+
+
+def _sqrt_of_sum(terms):
+    """(root, e) with sqrt(sum of m * 2**p over the (m, p) in terms) = root * 2**e.
+
+    The terms are added in units of the largest of them (an even power of two, whose square
+    root is a power of two), so the sum can neither overflow nor underflow, and root lies in
+    [0.5, 1.5) unless the sum is 0 (root 0) or not a number (NaN; also for a negative sum).
+    A term that underflows in those units is below the sum's last bit: it could not change it.
+    """
+    exponents = [math.frexp(m)[1] + p for m, p in terms if math.isfinite(m) and m != 0]
+    top = max(exponents, default=0)
+    top += top % 2
+    total = sum(float(_ldexp(m, p - top)) for m, p in terms)
+    root = math.sqrt(total) if total >= 0 else math.nan
+    return root, top // 2
+
+
+def _reciprocal(root, exponent):
+    """1 / (root * 2**exponent): inf for a root of 0 (a zero variance with eps = 0)."""
+    return math.inf if root == 0 else float(_ldexp(1.0 / root, -exponent))
+
+
+def _divide(values, root):
+    """values / root; a root of 0 gives +-inf (and NaN for 0 / 0), as 1 / 0 = inf would."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return values / root
+
+
+# =============================================================================================
+# LayerNorm
+# =============================================================================================
+
+class _Standardized(NamedTuple):
+    """One row (or BatchNorm feature) standardized: x_hat = (x - mean) / sqrt(var + eps)."""
+    x_hat: np.ndarray
+    mean: float
+    var: float          # the population variance (inf where it is beyond float64)
+    root: float         # sqrt(var + eps) = root * 2**exponent (kept apart: it may be beyond
+    exponent: int       #  float64, or below it)
+
+    @property
+    def std_inv(self):
+        """1 / sqrt(var + eps) as a float (inf or 0 where it is beyond float64)."""
+        return _reciprocal(self.root, self.exponent)
+
+
+def _standardize(row, eps):
+    """The mean, population variance and x_hat of one row, in the row scaled by 2**k."""
+    if np.isfinite(row[0]) and np.all(row == row[0]):   # a constant row: deviations are all 0
+        root, exponent = _sqrt_of_sum([(eps, 0)])          # (np.mean may round; and with eps = 0
+        return _Standardized(np.zeros_like(row), row[0], 0.0, root, exponent)  # x_hat is 0)
+    k = int(_unit_exponent(row))
+    scaled = _ldexp(row, k)                     # exact; far smaller values round, invisibly
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf in the row: its results are NaN
+        # np.mean may round past the largest value (and past DBL_MAX once scaled back):
+        # the mean lies within the row.
+        mu = np.clip(np.mean(scaled), np.min(scaled), np.max(scaled))
+        deviations = scaled - mu
+        var = np.mean(deviations ** 2)          # population variance (divide by H, not H - 1)
+    root, exponent = _sqrt_of_sum([(var, -2 * k), (eps, 0)])   # eps inside the square root
+    x_hat = _ldexp(deviations / root, -k - exponent)           # the standardized row
+    return _Standardized(x_hat, float(_ldexp(mu, -k)), float(_ldexp(var, -2 * k)), root,
+                         exponent)
+
+
 def _as_rows_float64(array, n_rows, n_cols):
     return np.asarray(array, dtype=np.float64).reshape(n_rows, n_cols)
 
 
-def _standardize(row, eps):
-    """The first four lines of the lesson's loop body: (x_hat, mu, std_inv) of one row."""
-    if np.isfinite(row[0]) and np.all(row == row[0]):   # a constant row: deviations are all 0
-        std_inv = math.inf if eps == 0 else 1 / math.sqrt(eps)   # (np.mean may round; and with
-        return np.zeros_like(row), row[0], std_inv               #  eps = 0, x_hat is 0, not NaN)
-    mu = np.mean(row)                           # scalar
-    var = np.mean((row - mu) ** 2)              # population variance (divide by H, not H - 1)
-    if var + eps == 0:                          # not constant, but the squares underflowed (a
-        scale = 2.0 ** 600                      # subnormal spread, eps = 0): redo it exactly
-        x_hat, mu, std_inv = _standardize(row * scale, eps)    # scaled; x_hat does not change
-        return x_hat, mu / scale, std_inv * scale              # (std_inv may be inf: > 1e308)
-    std_inv = 1 / math.sqrt(var + eps)          # eps inside the square root
-    x_hat = (row - mu) * std_inv                # standardized row
-    return x_hat, mu, std_inv
+def _write_out(result, out):
+    """result, or the caller's out holding it (written through a plain view of its memory)."""
+    if out is None:
+        return result
+    plain_ndarray(out)[...] = result
+    return out
+
+
+def _cast(values, dtype):
+    """values in dtype; a value beyond the dtype's range becomes +-inf, its honest value."""
+    with np.errstate(over="ignore"):
+        return values.astype(dtype)
 
 
 def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
                        num_threads=None):
-    """LAYER_NORM_FORWARD of the lesson, over x.shape[axis:]; returns (y, cache).
+    """LayerNorm over x.shape[axis:], ``y = gamma * (x - mean) / sqrt(var + eps) + beta`` for
+    each row; returns (y, cache).
 
     The cache is a :class:`fastln.LayerNormCache` (x itself plus each row's mean and rstd), the
     same as fastln's, so caches work across the two implementations.
@@ -85,18 +177,15 @@ def _layer_norm_forward(x, gamma, beta, eps, axis, out, num_threads, keep_cache)
     means = np.zeros(N)
     std_invs = np.zeros(N)
     for n in range(N):
-        row = X[n, :]                           # this example's H features
-        x_hat, mu, std_inv = _standardize(row, eps)
-        y[n, :] = gamma * x_hat + beta          # per-feature scale and shift
-        means[n], std_invs[n] = mu, std_inv
+        row = _standardize(X[n, :], eps)        # this example's H features
+        with np.errstate(over="ignore", invalid="ignore"):  # y beyond float64 is +-inf
+            y[n, :] = gamma * row.x_hat + beta  # per-feature scale and shift
+        means[n], std_invs[n] = row.mean, row.std_inv
 
     batch_shape = x.shape[:axis]
-    result = y.reshape(x.shape).astype(dtype)
-    if out is not None:
-        out[...] = result
-        result = out
-    mean = means.astype(stats_dtype).reshape(batch_shape)
-    rstd = std_invs.astype(stats_dtype).reshape(batch_shape)
+    result = _write_out(_cast(y.reshape(x.shape), dtype), out)
+    mean = _cast(means, stats_dtype).reshape(batch_shape)
+    rstd = _cast(std_invs, stats_dtype).reshape(batch_shape)
     return result, LayerNormCache(x, mean, rstd, axis, eps, dtype)
 
 
@@ -106,10 +195,27 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
     return y
 
 
+def _scaled_gamma(gamma, n):
+    """(gamma * 2**g, g) with the largest |gamma * 2**g| in [0.5, 1) (gamma None: ones)."""
+    gamma = np.ones(n) if gamma is None else gamma.astype(np.float64)
+    g = int(_unit_exponent(gamma))
+    return _ldexp(gamma, g), g
+
+
 def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
-    """LAYER_NORM_BACKWARD of the lesson; returns (dx, dgamma, dbeta)."""
+    """LayerNorm backward; returns (dx, dgamma, dbeta).
+
+    With x_hat and std_inv = 1 / sqrt(var + eps) recomputed from x, and dx_hat = dy * gamma,
+    per row of H values::
+
+        dx = std_inv / H * (H * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat))
+        dgamma = sum over rows of dy * x_hat,   dbeta = sum over rows of dy
+
+    The backward is linear in dy: each row of dy (each column, for the sums over rows) is
+    scaled by a power of two like x's rows, and the scale taken out of the results.
+    """
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "layer_norm")
+    cache = check_cache(cache, dy, "layer_norm")
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)          # dgamma, dbeta: float32 for float16/bfloat16
     N, H = rows_and_cols(cache.shape, cache.axis)
@@ -121,28 +227,30 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     X = _as_rows_float64(cache.x, N, H)
     dY = _as_rows_float64(dy, N, H)
-    gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
+    gamma, g = _scaled_gamma(gamma, H)          # gamma * 2**g
+    column_exponents = _unit_exponent(dY, axis=0)   # dgamma, dbeta in units of 2**-exponent
 
     dGamma = np.zeros(H)
     dBeta = np.zeros(H)
     dX = np.zeros((N, H))
     for n in range(N):
-        # The cache holds x rather than the lesson's x_hat (O(rows) memory): recompute it.
-        x_hat, _, std_inv = _standardize(X[n, :], cache.eps)
-        dy_row = dY[n, :]
-        dGamma += dy_row * x_hat
-        dBeta += dy_row
-        dx_hat = dy_row * gamma                 # chain through the scale
-        sum_dxhat = np.sum(dx_hat)
-        sum_dxhat_xhat = np.sum(dx_hat * x_hat)
-        dX[n, :] = (std_inv / H) * (H * dx_hat - sum_dxhat - x_hat * sum_dxhat_xhat)
+        # The cache holds x rather than x_hat (O(rows) memory): recompute it.
+        row = _standardize(X[n, :], cache.eps)
+        dy_columns = _ldexp(dY[n, :], column_exponents)
+        with np.errstate(invalid="ignore"):     # NaN in dy (or x) makes its sums NaN
+            dGamma += dy_columns * row.x_hat
+            dBeta += dy_columns
+            j = int(_unit_exponent(dY[n, :]))
+            dx_hat = _ldexp(dY[n, :], j) * gamma    # chain through the scale: dy * gamma * 2**(j+g)
+            sum_dxhat = np.sum(dx_hat)
+            sum_dxhat_xhat = np.sum(dx_hat * row.x_hat)
+            bracket = H * dx_hat - sum_dxhat - row.x_hat * sum_dxhat_xhat
+            dX[n, :] = _ldexp(_divide(bracket / H, row.root), -row.exponent - j - g)
 
-    dx = dX.reshape(cache.shape).astype(dtype)
-    if out is not None:
-        out[...] = dx
-        dx = out
-    return (dx, dGamma.reshape(normalized_shape).astype(stats_dtype),
-            dBeta.reshape(normalized_shape).astype(stats_dtype))
+    dx = _write_out(_cast(dX.reshape(cache.shape), dtype), out)
+    dGamma = _ldexp(dGamma, -column_exponents).reshape(normalized_shape)
+    dBeta = _ldexp(dBeta, -column_exponents).reshape(normalized_shape)
+    return dx, _cast(dGamma, stats_dtype), _cast(dBeta, stats_dtype)
 
 
 # =============================================================================================
@@ -157,24 +265,19 @@ __all__ += [
 ]
 
 
-def _write_out(result, out):
-    if out is None:
-        return result
-    out[...] = result
-    return out
-
-
 def _rms_standardize(row, eps):
-    """(x_hat, std_inv) of one row: divide by the root-mean-square, no mean subtraction."""
-    mean_square = np.mean(row ** 2)             # float64 squares, no mean subtraction
-    if mean_square + eps == 0 and np.any(row):  # the squares underflowed (subnormal x, eps = 0):
-        scale = 2.0 ** 600                      # redo it exactly scaled; x_hat does not change
-        x_hat, std_inv = _rms_standardize(row * scale, eps)
-        return x_hat, std_inv * scale           # (std_inv may be inf: > 1e308)
-    if mean_square + eps == 0:                  # an all-zero row with eps = 0: x_hat is 0
-        return np.zeros_like(row), math.inf
-    std_inv = 1 / math.sqrt(mean_square + eps)
-    return row * std_inv, std_inv
+    """x_hat = x / sqrt(mean(x**2) + eps) of one row (no mean subtraction), in the row
+    scaled by 2**k; mean and var are not used."""
+    k = int(_unit_exponent(row))
+    scaled = _ldexp(row, k)
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf in the row: its results are NaN
+        mean_square = np.mean(scaled ** 2)      # float64 squares, no mean subtraction
+    root, exponent = _sqrt_of_sum([(mean_square, -2 * k), (eps, 0)])
+    if root == 0:                               # an all-zero row with eps = 0: x_hat is 0
+        return _Standardized(np.zeros_like(row), 0.0, 0.0, 0.0, 0)
+    with np.errstate(invalid="ignore"):
+        x_hat = _ldexp(scaled / root, -k - exponent)
+    return _Standardized(x_hat, 0.0, 0.0, root, exponent)
 
 
 def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
@@ -197,17 +300,19 @@ def _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache):
     y = np.zeros((N, H))
     std_invs = np.zeros(N)
     for n in range(N):
-        x_hat, std_invs[n] = _rms_standardize(X[n, :], eps)
-        y[n, :] = gamma * x_hat                  # scale only, no shift
+        row = _rms_standardize(X[n, :], eps)
+        with np.errstate(over="ignore", invalid="ignore"):
+            y[n, :] = gamma * row.x_hat         # scale only, no shift
+        std_invs[n] = row.std_inv
 
-    result = _write_out(y.reshape(x.shape).astype(dtype), out)
-    rstd = std_invs.astype(stats_dtype).reshape(x.shape[:axis])
+    result = _write_out(_cast(y.reshape(x.shape), dtype), out)
+    rstd = _cast(std_invs, stats_dtype).reshape(x.shape[:axis])
     return result, RMSNormCache(x, rstd, axis, eps, dtype)
 
 
 def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
-    """RMSNorm (the lessons: "skips the mean subtraction and divides by the root-mean-square
-    only"), over x.shape[axis:]; returns (y, cache) with a :class:`fastln.RMSNormCache`."""
+    """RMSNorm over x.shape[axis:], ``y = gamma * x / sqrt(mean(x**2) + eps)`` for each row
+    (no mean subtraction, no shift); returns (y, cache) with a :class:`fastln.RMSNormCache`."""
     return _rms_norm(x, gamma, eps, axis, out, num_threads, keep_cache=True)
 
 
@@ -221,10 +326,12 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     y = gamma * x_hat with x_hat = x * std_inv and std_inv = (mean(x**2) + eps)**-0.5, so
     d std_inv / dx = -std_inv**3 * x / H and, with dx_hat = dy * gamma,
-        dx = std_inv * (dx_hat - x_hat * mean(dx_hat * x_hat)).
+        dx = std_inv * (dx_hat - x_hat * mean(dx_hat * x_hat)),
+        dgamma = sum over rows of dy * x_hat
+    (dy scaled by powers of two as in :func:`layer_norm_backward`).
     """
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "rms_norm")
+    cache = check_cache(cache, dy, "rms_norm")
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
     N, H = rows_and_cols(cache.shape, cache.axis)
@@ -236,26 +343,30 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     X = _as_rows_float64(cache.x, N, H)
     dY = _as_rows_float64(dy, N, H)
-    gamma = np.ones(H) if gamma is None else gamma.astype(np.float64)
+    gamma, g = _scaled_gamma(gamma, H)
+    column_exponents = _unit_exponent(dY, axis=0)
 
     dGamma = np.zeros(H)
     dX = np.zeros((N, H))
     for n in range(N):
-        x_hat, std_inv = _rms_standardize(X[n, :], cache.eps)   # recomputed from x
-        dy_row = dY[n, :]
-        dGamma += dy_row * x_hat
-        dx_hat = dy_row * gamma
-        dX[n, :] = std_inv * (dx_hat - x_hat * np.mean(dx_hat * x_hat))
+        row = _rms_standardize(X[n, :], cache.eps)  # recomputed from x
+        with np.errstate(invalid="ignore"):
+            dGamma += _ldexp(dY[n, :], column_exponents) * row.x_hat
+            j = int(_unit_exponent(dY[n, :]))
+            dx_hat = _ldexp(dY[n, :], j) * gamma    # dy * gamma * 2**(j + g)
+            bracket = dx_hat - row.x_hat * np.mean(dx_hat * row.x_hat)
+            dX[n, :] = _ldexp(_divide(bracket, row.root), -row.exponent - j - g)
 
-    dx = _write_out(dX.reshape(cache.shape).astype(dtype), out)
-    return dx, dGamma.reshape(normalized_shape).astype(stats_dtype)
+    dx = _write_out(_cast(dX.reshape(cache.shape), dtype), out)
+    dGamma = _ldexp(dGamma, -column_exponents).reshape(normalized_shape)
+    return dx, _cast(dGamma, stats_dtype)
 
 
 def _residual_sum(x, residual, bias, axis, out, sum_out):
     """s = x + residual (+ bias) in float64, rounded once to the output dtype; checks included.
 
     (float16/bfloat16: rounded to float32 and then to the half format, as NumPy's float16
-    addition does and as fastln promises.)"""
+    addition does and as fastln promises.) A sum beyond the output dtype is +-inf."""
     x, dtype = check_input(x)
     residual = check_residual(residual, x)
     axis = normalize_axis(axis, x.ndim)
@@ -265,24 +376,28 @@ def _residual_sum(x, residual, bias, axis, out, sum_out):
         check_out(out, x.shape, dtype)
     if sum_out is not None:
         check_out(sum_out, x.shape, dtype, name="sum_out")
-    if out is not None and sum_out is not None and np.may_share_memory(out, sum_out):
+    if (out is not None and sum_out is not None
+            and np.may_share_memory(plain_ndarray(out), plain_ndarray(sum_out))):
         raise ValueError("out and sum_out overlap: they must be different arrays")
-    s = np.asarray(x, dtype=np.float64) + residual.astype(dtype).astype(np.float64)
-    if bias is not None:
-        s = s + bias.astype(np.float64).reshape(x.shape[axis:])
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = np.asarray(x, dtype=np.float64) + _cast(residual, dtype).astype(np.float64)
+        if bias is not None:
+            s = s + bias.astype(np.float64).reshape(x.shape[axis:])
     if is_half(dtype):
-        s = s.astype(np.float32)
-    return s.astype(dtype), axis
+        s = _cast(s, np.float32)
+    return _cast(s, dtype), axis
 
 
 def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
                            out=None, sum_out=None, num_threads=None):
-    """s = x + residual (+ bias), then LAYER_NORM_FORWARD of s; returns (y, s, cache)."""
+    """s = x + residual (+ bias), then the LayerNorm forward of s; returns (y, s, cache)."""
     s, axis = _residual_sum(x, residual, bias, axis, out, sum_out)
-    s = _write_out(s, sum_out)                  # before y: the cache refers to s
-    y, cache = layer_norm_forward(s, gamma, beta, eps, axis=axis, out=out,
-                                  num_threads=num_threads)
-    return y, s, cache
+    # Normalize the sum before writing anything: the normalization's own arguments (gamma,
+    # beta, eps, num_threads) are checked there, and a bad one must leave sum_out untouched.
+    y, cache = layer_norm_forward(s, gamma, beta, eps, axis=axis, num_threads=num_threads)
+    s = _write_out(s, sum_out)
+    cache = LayerNormCache(plain_ndarray(s), cache.mean, cache.rstd, axis, cache.eps, cache.dtype)
+    return _write_out(y, out), s, cache
 
 
 def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
@@ -297,9 +412,11 @@ def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-
                          sum_out=None, num_threads=None):
     """s = x + residual (+ bias), then the RMSNorm forward of s; returns (y, s, cache)."""
     s, axis = _residual_sum(x, residual, bias, axis, out, sum_out)
-    s = _write_out(s, sum_out)                  # before y: the cache refers to s
-    y, cache = rms_norm_forward(s, gamma, eps, axis=axis, out=out, num_threads=num_threads)
-    return y, s, cache
+    # As in add_layer_norm_forward: every check before anything is written.
+    y, cache = rms_norm_forward(s, gamma, eps, axis=axis, num_threads=num_threads)
+    s = _write_out(s, sum_out)
+    cache = RMSNormCache(plain_ndarray(s), cache.rstd, axis, cache.eps, cache.dtype)
+    return _write_out(y, out), s, cache
 
 
 def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
@@ -322,16 +439,24 @@ def _from_feature_columns(columns, shape, axis):
     return np.moveaxis(columns.reshape(moved_shape), -1, axis)
 
 
-def _batch_statistics(column, eps):
-    """(x_hat, mu, var, std_inv) of one feature over the batch (section 8.2.1-8.2.2)."""
-    if np.isfinite(column[0]) and np.all(column == column[0]):   # constant: deviations all 0
-        std_inv = math.inf if eps == 0 else 1 / math.sqrt(eps)   # (x_hat is 0, not NaN)
-        return np.zeros_like(column), column[0], 0.0, std_inv
-    mu = np.mean(column)                        # batch mean
-    var = np.mean((column - mu) ** 2)           # biased batch variance (divide by m)
-    std_inv = 1 / np.sqrt(var + eps)            # (float64: inf, not ZeroDivisionError, when
-                                                #  var + eps underflows to 0)
-    return (column - mu) * std_inv, mu, var, std_inv
+def _centred(column, centre):
+    """(column - centre) * 2**k and k, with k bringing the largest of |column| and |centre|
+    into [0.5, 1): the difference of values near -DBL_MAX and DBL_MAX does not overflow."""
+    k = int(_unit_exponent(np.append(column, centre)))
+    with np.errstate(invalid="ignore"):         # Inf - Inf: NaN, as in fastln
+        return _ldexp(column, k) - _ldexp(centre, k), k
+
+
+def _moving_average(alpha, running, batch, is_variance=False):
+    """alpha * running + (1 - alpha) * batch in float64: alpha weighs the old value (momentum).
+
+    With alpha = 1 a batch variance beyond float64 (inf) has weight 0, as in fastln: 0 * inf
+    would make running_var NaN where momentum = 1 keeps it as it is."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        weighted = (1 - alpha) * batch
+        if alpha == 1 and is_variance:
+            weighted = np.where(np.isinf(batch), 0.0, weighted)
+        return alpha * running.astype(np.float64) + weighted
 
 
 def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis, out,
@@ -352,30 +477,38 @@ def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, e
     means, std_invs, batch_vars = np.zeros(C), np.zeros(C), np.zeros(C)
     for c in range(C):
         column = X[:, c]                        # feature c across the whole batch
-        if training:
-            x_hat, mu, batch_vars[c], std_inv = _batch_statistics(column, eps)
-        else:                                   # population estimates from training
+        if training:                            # its mean and biased variance (divide by m)
+            feature = _standardize(column, eps)
+            x_hat, mu, batch_vars[c], std_inv = (feature.x_hat, feature.mean, feature.var,
+                                                 feature.std_inv)
+        else:                                   # the population estimates from training
             mu = float(running_mean[c])
-            variance = float(running_var[c]) + eps
-            # A negative running_var has no square root: NaN, as the kernels give.
-            std_inv = 1 / math.sqrt(variance) if variance >= 0 else math.nan
-            x_hat = (column - mu) * std_inv
-        Y[:, c] = gamma[c] * x_hat + beta[c]
+            # A negative running_var + eps has no square root: NaN, as the kernels give.
+            root, exponent = _sqrt_of_sum([(float(running_var[c]), 0), (eps, 0)])
+            deviations, k = _centred(column, mu)            # (x - mu) * 2**k
+            x_hat = _ldexp(_divide(deviations, root), -k - exponent)
+            std_inv = _reciprocal(root, exponent)
+        with np.errstate(over="ignore", invalid="ignore"):
+            Y[:, c] = gamma[c] * x_hat + beta[c]
         means[c], std_invs[c] = mu, std_inv
 
     if training and running_mean is not None:  # exponential moving averages, alpha on the old
-        running_mean[...] = alpha * running_mean.astype(np.float64) + (1 - alpha) * means
-        running_var[...] = alpha * running_var.astype(np.float64) + (1 - alpha) * batch_vars
+        running_mean[...] = _moving_average(alpha, running_mean, means)
+        running_var[...] = _moving_average(alpha, running_var, batch_vars, is_variance=True)
 
-    result = _write_out(_from_feature_columns(Y, x.shape, axis).astype(dtype), out)
+    result = _write_out(_cast(_from_feature_columns(Y, x.shape, axis), dtype), out)
     return result, BatchNormCache(x, means, std_invs, axis, eps, training, dtype)
 
 
 def batch_norm_forward(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
                        training=False, momentum=0.9, eps=1e-5, axis=-1, out=None,
                        num_threads=None):
-    """The lesson's BatchNorm (section 8.2): per-feature statistics over the batch; returns
-    (y, cache) and, in training mode, updates the running statistics in place (8.2.3)."""
+    """BatchNorm, ``y = gamma * (x - mean) / sqrt(var + eps) + beta`` per feature (the index
+    along axis), its mean and biased variance taken over every other axis; returns (y, cache).
+
+    Training mode normalizes with the batch statistics and updates the running statistics in
+    place: ``running = momentum * running + (1 - momentum) * batch``; evaluation mode
+    normalizes with the running statistics."""
     return _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis,
                        out, num_threads, keep_cache=True)
 
@@ -390,12 +523,14 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
 def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """BatchNorm backward; returns (dx, dgamma, dbeta).
 
-    Training: the same two-reduction identity as LAYER_NORM_BACKWARD, with the sums running
-    down each feature's m values instead of along a row (x_hat recomputed from x). Evaluation:
-    the statistics are constants, so dx = dy * gamma * std_inv.
+    Training: the same two-reduction identity as :func:`layer_norm_backward`, with the sums
+    running down each feature's m values instead of along a row (x_hat recomputed from x).
+    Evaluation: the statistics are constants, so dx = dy * gamma * std_inv. In both,
+    dgamma = sum(dy * x_hat) and dbeta = sum(dy) per feature. Each feature's dy and gamma are
+    scaled by powers of two (the backward is linear in them) and the scales taken out again.
     """
     dy = as_array(dy, "dy")
-    check_cache(cache, dy, "batch_norm")
+    cache = check_cache(cache, dy, "batch_norm")
     dtype = cache.dtype
     _, C, _ = feature_layout(cache.shape, cache.axis)
     gamma = check_feature_param(gamma, "gamma", C, dtype)
@@ -411,20 +546,26 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     dGamma, dBeta = np.zeros(C), np.zeros(C)
     dX = np.zeros(dY.shape)
     for c in range(C):
-        if cache.training:
-            x_hat, _, _, std_inv = _batch_statistics(X[:, c], cache.eps)
-        else:
-            std_inv = float(cache.rstd[c])
-            x_hat = (X[:, c] - cache.mean[c]) * std_inv
-        dy_column = dY[:, c]
-        dGamma[c] = np.sum(dy_column * x_hat)
-        dBeta[c] = np.sum(dy_column)
-        dx_hat = dy_column * gamma[c]
-        if cache.training:
-            dX[:, c] = (std_inv / m) * (m * dx_hat - np.sum(dx_hat)
-                                        - x_hat * np.sum(dx_hat * x_hat))
-        else:
-            dX[:, c] = dx_hat * std_inv
+        j = int(_unit_exponent(dY[:, c]))
+        g = int(_unit_exponent(gamma[c]))
+        dy_column = _ldexp(dY[:, c], j)         # dy * 2**j
+        dx_hat = dy_column * _ldexp(gamma[c], g)    # dy * gamma * 2**(j + g)
+        with np.errstate(invalid="ignore", over="ignore"):
+            if cache.training:
+                feature = _standardize(X[:, c], cache.eps)
+                dGamma[c] = _ldexp(np.sum(dy_column * feature.x_hat), -j)
+                bracket = (m * dx_hat - np.sum(dx_hat)
+                           - feature.x_hat * np.sum(dx_hat * feature.x_hat)) / m
+                dX[:, c] = _ldexp(_divide(bracket, feature.root), -feature.exponent - j - g)
+            else:
+                # x_hat = (x - mean) * std_inv: centred and std_inv split as mantissa * 2**e,
+                # so that neither the difference nor the product overflows on the way.
+                deviations, k = _centred(X[:, c], float(cache.mean[c]))
+                std_inv, e = math.frexp(float(cache.rstd[c]))     # (inf, 0) for inf
+                x_hat_scaled = deviations * std_inv               # x_hat * 2**(k - e)
+                dGamma[c] = _ldexp(np.sum(dy_column * x_hat_scaled), e - k - j)
+                dX[:, c] = _ldexp(dx_hat * std_inv, e - j - g)
+        dBeta[c] = _ldexp(np.sum(dy_column), -j)
 
-    dx = _write_out(_from_feature_columns(dX, cache.shape, cache.axis).astype(dtype), out)
-    return dx, dGamma.astype(compute_dtype(dtype)), dBeta.astype(compute_dtype(dtype))
+    dx = _write_out(_cast(_from_feature_columns(dX, cache.shape, cache.axis), dtype), out)
+    return dx, _cast(dGamma, compute_dtype(dtype)), _cast(dBeta, compute_dtype(dtype))
