@@ -218,7 +218,7 @@ def compare_times(new, previous, shapes, dtypes, threads, ops, rounds):
     rng = np.random.default_rng(0)
     print(f"{'op':22s} {'shape':11s} {'dtype':8s} thr  new(us)  previous(us)  new/previous")
     for shape in shapes:
-        m, n = shape
+        n = shape[1] if len(shape) > 2 else shape[-1]  # parameters: per feature (axis 1) or column
         for dtype_name in dtypes:
             dtype = numpy_dtype(dtype_name)
             param_dtype = np.float32 if dtype.itemsize == 2 else dtype
@@ -238,7 +238,8 @@ def compare_times(new, previous, shapes, dtypes, threads, ops, rounds):
                     if len(calls) < 2:
                         continue
                     medians = median_seconds(calls, rounds)
-                    print(f"{op:22s} {m}x{n:<9d} {dtype_name:8s} {t:3d} {medians['new'] * 1e6:8.1f}"
+                    label = "x".join(str(d) for d in shape)
+                    print(f"{op:22s} {label:11s} {dtype_name:8s} {t:3d} {medians['new'] * 1e6:8.1f}"
                           f" {medians['previous'] * 1e6:12.1f} {medians['new'] / medians['previous']:12.3f}",
                           flush=True)
 
@@ -263,13 +264,14 @@ def timed_call(module, op, x, residual, dy, gamma, beta, threads):
         s = np.empty_like(x)
         return lambda: module.add_rms_norm(x, residual, gamma, out=out, sum_out=s,
                                            num_threads=threads)
+    axis = 1 if x.ndim > 2 else -1  # NCHW: features on axis 1
     if op in ("batch_norm_train", "batch_norm_eval"):
-        mean, var = np.zeros(x.shape[1]), np.ones(x.shape[1])
+        mean, var = np.zeros(x.shape[axis]), np.ones(x.shape[axis])
         training = op == "batch_norm_train"
-        return lambda: module.batch_norm(x, gamma, beta, mean, var, training=training, out=out,
-                                         num_threads=threads)
+        return lambda: module.batch_norm(x, gamma, beta, mean, var, training=training, axis=axis,
+                                         out=out, num_threads=threads)
     if op == "batch_norm_backward":
-        _, cache = module.batch_norm_forward(x, gamma, beta, training=True)
+        _, cache = module.batch_norm_forward(x, gamma, beta, training=True, axis=axis)
         return lambda: module.batch_norm_backward(dy, cache, gamma, out=out, num_threads=threads)
     raise ValueError(op)
 

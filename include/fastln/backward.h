@@ -225,19 +225,33 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_double)(
     int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
     FASTLN_P *dbeta_acc)
 {
+    enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
-    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
-        FASTLN_VD dgamma[2], dbeta[2], dx_v[2];
-        FASTLN_NAME(load_wide_p)(dgamma_acc + i, &dgamma[0], &dgamma[1]);
-        FASTLN_NAME(load_wide_p)(dbeta_acc + i, &dbeta[0], &dbeta[1]);
-        for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t at = r * stride + i;
-            FASTLN_NAME(ln_backward_dx_double)(dy + at, x + at, gamma ? gamma + i : NULL,
-                                               &sums[r], dgamma, dbeta, dx_v);
-            FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
+    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
+        FASTLN_VD dgamma[VECTORS][2], dbeta[VECTORS][2], dx_v[2];
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            FASTLN_NAME(load_wide_p)(dgamma_acc + i + v * FASTLN_VF_LANES, &dgamma[v][0],
+                                     &dgamma[v][1]);
+            FASTLN_NAME(load_wide_p)(dbeta_acc + i + v * FASTLN_VF_LANES, &dbeta[v][0],
+                                     &dbeta[v][1]);
         }
-        FASTLN_NAME(store_wide_p)(dgamma_acc + i, dgamma[0], dgamma[1]);
-        FASTLN_NAME(store_wide_p)(dbeta_acc + i, dbeta[0], dbeta[1]);
+        for (int64_t r = 0; r < n_rows; r++) {
+            FASTLN_UNROLL
+            for (int v = 0; v < VECTORS; v++) {
+                const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
+                FASTLN_NAME(ln_backward_dx_double)(dy + at, x + at, gamma ? gamma + column : NULL,
+                                                   &sums[r], dgamma[v], dbeta[v], dx_v);
+                FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
+            }
+        }
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            FASTLN_NAME(store_wide_p)(dgamma_acc + i + v * FASTLN_VF_LANES, dgamma[v][0],
+                                      dgamma[v][1]);
+            FASTLN_NAME(store_wide_p)(dbeta_acc + i + v * FASTLN_VF_LANES, dbeta[v][0],
+                                      dbeta[v][1]);
+        }
     }
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++)
@@ -334,17 +348,29 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
 {
     fastln_ln_backward_floats rows[FASTLN_BACKWARD_GROUP];
     for (int64_t r = 0; r < n_rows; r++) rows[r] = FASTLN_NAME(ln_backward_to_floats)(&sums[r]);
+    enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
-    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
-        FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + i);
-        FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + i);
-        for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t at = r * stride + i;
-            FASTLN_NAME(store_c)(dx + at, FASTLN_NAME(ln_backward_dx_float)(
-                dy + at, x + at, gamma ? gamma + i : NULL, &rows[r], &dgamma, &dbeta));
+    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
+        FASTLN_VF dgamma[VECTORS], dbeta[VECTORS];
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            dgamma[v] = FASTLN_ISA(load_f32)(dgamma_acc + i + v * FASTLN_VF_LANES);
+            dbeta[v] = FASTLN_ISA(load_f32)(dbeta_acc + i + v * FASTLN_VF_LANES);
         }
-        FASTLN_ISA(store_f32)(dgamma_acc + i, dgamma);
-        FASTLN_ISA(store_f32)(dbeta_acc + i, dbeta);
+        for (int64_t r = 0; r < n_rows; r++) {
+            FASTLN_UNROLL
+            for (int v = 0; v < VECTORS; v++) {
+                const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
+                FASTLN_NAME(store_c)(dx + at, FASTLN_NAME(ln_backward_dx_float)(
+                    dy + at, x + at, gamma ? gamma + column : NULL, &rows[r], &dgamma[v],
+                    &dbeta[v]));
+            }
+        }
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            FASTLN_ISA(store_f32)(dgamma_acc + i + v * FASTLN_VF_LANES, dgamma[v]);
+            FASTLN_ISA(store_f32)(dbeta_acc + i + v * FASTLN_VF_LANES, dbeta[v]);
+        }
     }
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++)
@@ -555,31 +581,56 @@ FASTLN_INLINE int FASTLN_NAME(rms_backward_in_floats)(const fastln_rms_backward_
  * it in row order. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc)
+    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc,
+    int streaming)
 {
+    const int stream_dx = streaming && fastln_is_aligned16(dx);
+    enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
-    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
-        FASTLN_VD dgamma[2] = {FASTLN_ISA(load_f64)(dgamma_acc + i),
-                               FASTLN_ISA(load_f64)(dgamma_acc + i + FASTLN_VD_LANES)};
-        FASTLN_VD scale[2];
-        if (gamma) FASTLN_NAME(load_wide_p)(gamma + i, &scale[0], &scale[1]);
-        for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t at = r * stride + i;
-            FASTLN_VD dy_v[2], x_hat[2], dx_v[2];
-            FASTLN_NAME(load_wide)(dy + at, &dy_v[0], &dy_v[1]);
-            FASTLN_NAME(load_wide)(x + at, &x_hat[0], &x_hat[1]);
-            FASTLN_UNROLL
-            for (int h = 0; h < 2; h++) {
-                x_hat[h] *= rows[r].x_scale;
-                const FASTLN_VD dx_hat = gamma ? dy_v[h] * scale[h] : dy_v[h];
-                dgamma[h] += dy_v[h] * x_hat[h];
-                dx_v[h] = rows[r].rstd * (dx_hat - x_hat[h] * rows[r].mean_dxhat_xhat);
-            }
-            FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
+    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
+        FASTLN_VD dgamma[VECTORS][2], scale[VECTORS][2];
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            const int64_t column = i + v * FASTLN_VF_LANES;
+            dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
+            dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
+            if (gamma) FASTLN_NAME(load_wide_p)(gamma + column, &scale[v][0], &scale[v][1]);
         }
-        FASTLN_ISA(store_f64)(dgamma_acc + i, dgamma[0]);
-        FASTLN_ISA(store_f64)(dgamma_acc + i + FASTLN_VD_LANES, dgamma[1]);
+        if (streaming) {
+            FASTLN_NAME(prefetch_step)(dy + stride + i);
+            FASTLN_NAME(prefetch_step)(x + stride + i);
+        }
+        for (int64_t r = 0; r < n_rows; r++) {
+            FASTLN_UNROLL
+            for (int v = 0; v < VECTORS; v++) {
+                const int64_t at = r * stride + i + v * FASTLN_VF_LANES;
+                FASTLN_VD dy_v[2], x_hat[2], dx_v[2];
+                FASTLN_NAME(load_wide)(dy + at, &dy_v[0], &dy_v[1]);
+                FASTLN_NAME(load_wide)(x + at, &x_hat[0], &x_hat[1]);
+                FASTLN_UNROLL
+                for (int h = 0; h < 2; h++) {
+                    x_hat[h] *= rows[r].x_scale;
+                    const FASTLN_VD dx_hat = gamma ? dy_v[h] * scale[v][h] : dy_v[h];
+                    dgamma[v][h] += dy_v[h] * x_hat[h];
+                    dx_v[h] = rows[r].rstd * (dx_hat - x_hat[h] * rows[r].mean_dxhat_xhat);
+                }
+                if (stream_dx) {
+                    FASTLN_T out[FASTLN_VF_LANES];
+                    FASTLN_NAME(store_wide)(out, dx_v[0], dx_v[1]);
+                    FASTLN_ISA(stream_bytes)(dx + at, out, sizeof out);
+                } else {
+                    FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
+                }
+            }
+        }
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            const int64_t column = i + v * FASTLN_VF_LANES;
+            FASTLN_ISA(store_f64)(dgamma_acc + column, dgamma[v][0]);
+            FASTLN_ISA(store_f64)(dgamma_acc + column + FASTLN_VD_LANES, dgamma[v][1]);
+        }
     }
+    if (stream_dx) fastln_streaming_fence();
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;
@@ -598,30 +649,54 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
  * widened into the double accumulators. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc)
+    int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc,
+    int streaming)
 {
+    const int stream_dx = streaming && fastln_is_aligned16(dx);
     float rstd[FASTLN_BACKWARD_GROUP], mean[FASTLN_BACKWARD_GROUP];
     for (int64_t r = 0; r < n_rows; r++) {
         rstd[r] = (float)rows[r].rstd;
         mean[r] = (float)rows[r].mean_dxhat_xhat;
     }
+    enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
-    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES) {
-        FASTLN_VD dgamma_low = FASTLN_ISA(load_f64)(dgamma_acc + i);
-        FASTLN_VD dgamma_high = FASTLN_ISA(load_f64)(dgamma_acc + i + FASTLN_VD_LANES);
-        for (int64_t r = 0; r < n_rows; r++) {
-            const int64_t at = r * stride + i;
-            const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
-            const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
-            const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma + i) : dy_v;
-            const FASTLN_VF dgamma = dy_v * x_hat;
-            FASTLN_NAME(store_c)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r]);
-            dgamma_low += FASTLN_ISA(widen_low)(dgamma);
-            dgamma_high += FASTLN_ISA(widen_high)(dgamma);
+    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
+        FASTLN_VD dgamma[VECTORS][2];
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            const int64_t column = i + v * FASTLN_VF_LANES;
+            dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
+            dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
         }
-        FASTLN_ISA(store_f64)(dgamma_acc + i, dgamma_low);
-        FASTLN_ISA(store_f64)(dgamma_acc + i + FASTLN_VD_LANES, dgamma_high);
+        if (streaming) {
+            FASTLN_NAME(prefetch_step)(dy + stride + i);
+            FASTLN_NAME(prefetch_step)(x + stride + i);
+        }
+        for (int64_t r = 0; r < n_rows; r++) {
+            FASTLN_UNROLL
+            for (int v = 0; v < VECTORS; v++) {
+                const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
+                const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
+                const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
+                const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma + column) : dy_v;
+                const FASTLN_VF dgamma_v = dy_v * x_hat;
+                const FASTLN_VF dx_v = (dx_hat - x_hat * mean[r]) * rstd[r];
+                if (stream_dx)
+                    FASTLN_NAME(stream_c)(dx + at, dx_v);
+                else
+                    FASTLN_NAME(store_c)(dx + at, dx_v);
+                dgamma[v][0] += FASTLN_ISA(widen_low)(dgamma_v);
+                dgamma[v][1] += FASTLN_ISA(widen_high)(dgamma_v);
+            }
+        }
+        FASTLN_UNROLL
+        for (int v = 0; v < VECTORS; v++) {
+            const int64_t column = i + v * FASTLN_VF_LANES;
+            FASTLN_ISA(store_f64)(dgamma_acc + column, dgamma[v][0]);
+            FASTLN_ISA(store_f64)(dgamma_acc + column + FASTLN_VD_LANES, dgamma[v][1]);
+        }
     }
+    if (stream_dx) fastln_streaming_fence();
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;
@@ -640,25 +715,26 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
  * comes. A group only holds rows the float pass takes (rms_norm_backward_rows). */
 FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc)
+    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc, int streaming)
 {
     const int64_t head = n_rows == 1 || n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
                              ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
     for (int piece = 0; piece < 2; piece++) {
         const int64_t start = piece == 0 ? 0 : head;
         const int64_t width = piece == 0 ? head : n_cols - head;
+        const int stream = piece == 1 && streaming;
         if (width == 0) continue;
 #if FASTLN_COMPUTE_F32
         if (FASTLN_NAME(rms_backward_in_floats)(&rows[0])) {
             FASTLN_NAME(rms_backward_write_rows_float)(
                 dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
-                width, rows, dgamma_acc + start);
+                width, rows, dgamma_acc + start, stream);
             continue;
         }
 #endif
         FASTLN_NAME(rms_backward_write_rows_double)(
             dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
-            width, rows, dgamma_acc + start);
+            width, rows, dgamma_acc + start, stream);
     }
 }
 
@@ -668,7 +744,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
  * other row with an Inf rstd has an rstd beyond the cache's range and is done from x (rare.h). */
 FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_P *FASTLN_RESTRICT gamma,
-    double rstd, double eps, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc)
+    double rstd, double eps, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc,
+    int streaming)
 {
     if (isinf(rstd)
         && FASTLN_NAME(rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols, dgamma_acc))
@@ -677,19 +754,20 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
     row.rstd = rstd;
     row.x_scale = fastln_rms_x_scale(rstd);
     row.mean_dxhat_xhat = FASTLN_NAME(rms_backward_mean)(dy, x, gamma, row.x_scale, n_cols);
-    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc);
+    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc, streaming);
 }
 
 /* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows (rstd: their cache entries): each
  * row's mean(dx_hat * x_hat), then one write pass over the group's columns that loads and stores
  * each dgamma accumulator once per group. The same bits as row after row; a group with a row of
- * Inf rstd or one the float pass does not take goes row by row. */
+ * Inf rstd or one the float pass does not take, or whose dx streams (rows from memory), goes row
+ * by row. */
 FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *rstd,
-    double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc)
+    double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc, int streaming)
 {
     fastln_rms_backward_row rows[FASTLN_BACKWARD_GROUP];
-    int grouped = n_rows <= FASTLN_BACKWARD_GROUP;
+    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streaming;
     for (int64_t r = 0; grouped && r < n_rows; r++) {
         rows[r].rstd = (double)rstd[r];
         rows[r].x_scale = fastln_rms_x_scale(rows[r].rstd);
@@ -700,13 +778,13 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
         for (int64_t r = 0; r < n_rows; r++)
             FASTLN_NAME(rms_norm_backward_row)(dy + r * n_cols, x + r * n_cols, gamma,
                                                (double)rstd[r], eps, dx + r * n_cols, n_cols,
-                                               dgamma_acc);
+                                               dgamma_acc, streaming);
         return;
     }
     for (int64_t r = 0; r < n_rows; r++)
         rows[r].mean_dxhat_xhat = FASTLN_NAME(rms_backward_mean)(
             dy + r * n_cols, x + r * n_cols, gamma, rows[r].x_scale, n_cols);
-    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc);
+    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc, 0);
 }
 
 /* ---- BatchNorm ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin
     for (int64_t r = begin; r < end; r++) {
         double row_rstd;
         FASTLN_NAME(rms_norm_forward_row)(x + r * n, call->gamma, y + r * n, n, call->eps,
-                                          &row_rstd);
+                                          &row_rstd, call->streaming);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
 }
@@ -73,7 +73,7 @@ static void FASTLN_NAME(add_rms_norm_forward_task)(const void *opaque, int64_t b
         double row_rstd;
         FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n);
         FASTLN_NAME(rms_norm_forward_row)(s + r * n, call->gamma, y + r * n, n, call->eps,
-                                          &row_rstd);
+                                          &row_rstd, 0);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
 }
@@ -134,7 +134,7 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
             const int64_t count = fastln_min(FASTLN_BACKWARD_GROUP, row_end - row);
             FASTLN_NAME(rms_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
                                                 rstd + row, call->eps, dx + row * n, count, n,
-                                                dgamma_partial);
+                                                dgamma_partial, call->streaming);
             row += count;
         }
     }

@@ -160,7 +160,8 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
 
 /* y = gamma * (x * x_scale) over n elements, all in double. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FASTLN_P *gamma,
-                                                 FASTLN_T *y, int64_t n, double x_scale)
+                                                 FASTLN_T *y, int64_t n, double x_scale,
+                                                 int streaming)
 {
     int64_t i = 0;
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
@@ -176,9 +177,16 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FAST
                 low *= scale_low;
                 high *= scale_high;
             }
-            FASTLN_NAME(store_wide)(y + v, low, high);
+            if (streaming) {
+                FASTLN_T out[FASTLN_VF_LANES];
+                FASTLN_NAME(store_wide)(out, low, high);
+                FASTLN_ISA(stream_bytes)(y + v, out, sizeof out);
+            } else {
+                FASTLN_NAME(store_wide)(y + v, low, high);
+            }
         }
     }
+    if (streaming) fastln_streaming_fence();
     for (; i < n; i++) {
         double out = FASTLN_NAME(to_double)(x[i]) * x_scale;
         if (gamma) out *= (double)gamma[i];
@@ -189,10 +197,12 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FAST
 /* y = (x * rstd) * gamma over n elements. float32-compute rows go in float (rstd rounded to
  * float: three roundings of u32 each, for twice the lanes; there is no centring to lose digits
  * in), unless x_scale does not fit a float (0 for an all-zero row with eps = 0, NaN, beyond
- * 1e30); float64 rows and those in double. */
+ * 1e30); float64 rows and those in double. With streaming set (and y aligned), y goes out with
+ * non-temporal stores. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *y,
-                                          int64_t n, double x_scale)
+                                          int64_t n, double x_scale, int streaming)
 {
+    streaming = streaming && fastln_is_aligned16(y);
 #if FASTLN_COMPUTE_F32
     if (x_scale > 1e-30 && x_scale < 1e30) {
         const float rstd = (float)x_scale;
@@ -203,9 +213,13 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
             for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
                 FASTLN_VF out = FASTLN_NAME(load_c)(x + v) * rstd;
                 if (gamma) out *= FASTLN_NAME(load_p)(gamma + v);
-                FASTLN_NAME(store_c)(y + v, out);
+                if (streaming)
+                    FASTLN_NAME(stream_c)(y + v, out);
+                else
+                    FASTLN_NAME(store_c)(y + v, out);
             }
         }
+        if (streaming) fastln_streaming_fence();
         for (; i < n; i++) {
             float out = FASTLN_NAME(to_compute)(x[i]) * rstd;
             if (gamma) out *= gamma[i];
@@ -214,15 +228,15 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
         return;
     }
 #endif
-    FASTLN_NAME(rms_write_double)(x, gamma, y, n, x_scale);
+    FASTLN_NAME(rms_write_double)(x, gamma, y, n, x_scale, streaming);
 }
 
 /* Forward of one row: one read for the sum of squares, then y is written in a second pass while
  * the row is still in cache. gamma may be NULL (ones). *rstd_out receives the row's
- * 1 / sqrt(mean(x * x) + eps). */
+ * 1 / sqrt(mean(x * x) + eps). With streaming set, y is written with non-temporal stores. */
 FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma, FASTLN_T *y, int64_t n_cols,
-    double eps, double *rstd_out)
+    double eps, double *rstd_out, int streaming)
 {
     const double rstd = FASTLN_NAME(rms_row_rstd)(x, n_cols, eps);
     *rstd_out = rstd;
@@ -239,9 +253,9 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
     /* rstd = Inf here only for an all-zero row with eps = 0 (fastln_rms_x_scale: x_hat = 0). */
     const double x_scale = fastln_rms_x_scale(rstd);
     const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
-    FASTLN_NAME(rms_write)(x, gamma, y, head, x_scale);
+    FASTLN_NAME(rms_write)(x, gamma, y, head, x_scale, 0);
     FASTLN_NAME(rms_write)(x + head, gamma ? gamma + head : NULL, y + head, n_cols - head,
-                           x_scale);
+                           x_scale, streaming);
 }
 
 /* ---- residual add + norm ---------------------------------------------------------------- */

@@ -371,7 +371,6 @@ def layer_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
 cdef inline int _rms_norm_backward(fastln_rows_call *call, object dy, object gamma, object rstd,
                                    object dx, object dgamma, int storage,
                                    int num_threads) except -1:
-    call.streaming = 0
     call.dy = _data(dy)
     call.gamma = _data(gamma)
     call.rstd = <void*>_data(rstd)
