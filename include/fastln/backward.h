@@ -175,6 +175,21 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_dx_double)(
     }
 }
 
+/* The double pass for the VF_LANES elements of a row at i: dx, and the accumulators. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_write_double_vector)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t i,
+    const fastln_ln_backward_sums *row, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc, int stream_dx)
+{
+    FASTLN_VD dgamma[2], dbeta[2], dx_v[2];
+    FASTLN_NAME(load_wide_p)(dgamma_acc + i, &dgamma[0], &dgamma[1]);
+    FASTLN_NAME(load_wide_p)(dbeta_acc + i, &dbeta[0], &dbeta[1]);
+    FASTLN_NAME(ln_backward_dx_double)(dy + i, x + i, gamma ? gamma + i : NULL, row, dgamma,
+                                       dbeta, dx_v);
+    FASTLN_NAME(store_wide_p)(dgamma_acc + i, dgamma[0], dgamma[1]);
+    FASTLN_NAME(store_wide_p)(dbeta_acc + i, dbeta[0], dbeta[1]);
+    FASTLN_NAME(store_wide_to)(dx + i, dx_v[0], dx_v[1], stream_dx);
+}
+
 /* The double write pass over n elements of one row. With streaming set (and dx aligned), dx is
  * written with non-temporal stores and the next row is prefetched (rows then come from memory;
  * in cache the prefetch costs more than it saves). */
@@ -192,23 +207,13 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
             FASTLN_NAME(prefetch_step)(x + n + i);
         }
         FASTLN_UNROLL
-        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
-            FASTLN_VD dgamma[2], dbeta[2], dx_v[2];
-            FASTLN_NAME(load_wide_p)(dgamma_acc + v, &dgamma[0], &dgamma[1]);
-            FASTLN_NAME(load_wide_p)(dbeta_acc + v, &dbeta[0], &dbeta[1]);
-            FASTLN_NAME(ln_backward_dx_double)(dy + v, x + v, gamma ? gamma + v : NULL, &row,
-                                               dgamma, dbeta, dx_v);
-            FASTLN_NAME(store_wide_p)(dgamma_acc + v, dgamma[0], dgamma[1]);
-            FASTLN_NAME(store_wide_p)(dbeta_acc + v, dbeta[0], dbeta[1]);
-            if (stream_dx) {
-                FASTLN_T out[FASTLN_VF_LANES];
-                FASTLN_NAME(store_wide)(out, dx_v[0], dx_v[1]);
-                FASTLN_ISA(stream_bytes)(dx + v, out, sizeof out);
-            } else {
-                FASTLN_NAME(store_wide)(dx + v, dx_v[0], dx_v[1]);
-            }
-        }
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
+            FASTLN_NAME(ln_backward_write_double_vector)(dy, x, gamma, dx, v, &row, dgamma_acc,
+                                                         dbeta_acc, stream_dx);
     }
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
+        FASTLN_NAME(ln_backward_write_double_vector)(dy, x, gamma, dx, i, &row, dgamma_acc,
+                                                     dbeta_acc, stream_dx);
     if (stream_dx) fastln_streaming_fence();
     for (; i < n; i++)
         dx[i] = FASTLN_NAME(from_double)(FASTLN_NAME(ln_backward_dx1_double)(
@@ -253,6 +258,11 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_double)(
                                       dbeta[v][1]);
         }
     }
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(ln_backward_write_double_vector)(dy + r * stride, x + r * stride, gamma,
+                                                         dx + r * stride, i, &sums[r],
+                                                         dgamma_acc, dbeta_acc, 0);
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++)
             dx[r * stride + i] = FASTLN_NAME(from_double)(FASTLN_NAME(ln_backward_dx1_double)(
@@ -307,6 +317,20 @@ FASTLN_INLINE float FASTLN_NAME(ln_backward_dx1_float)(
     return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
 }
 
+/* The float pass for the VF_LANES elements of a row at i: dx, and the accumulators. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_vector)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t i,
+    const fastln_ln_backward_floats *row, float *dgamma_acc, float *dbeta_acc, int stream_dx)
+{
+    FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + i);
+    FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + i);
+    const FASTLN_VF dx_v = FASTLN_NAME(ln_backward_dx_float)(
+        dy + i, x + i, gamma ? gamma + i : NULL, row, &dgamma, &dbeta);
+    FASTLN_ISA(store_f32)(dgamma_acc + i, dgamma);
+    FASTLN_ISA(store_f32)(dbeta_acc + i, dbeta);
+    FASTLN_NAME(store_c_to)(dx + i, dx_v, stream_dx);
+}
+
 /* The float write pass over n elements of one row (streaming as the double pass). */
 FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n,
@@ -321,19 +345,13 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
             FASTLN_NAME(prefetch_step)(x + n + i);
         }
         FASTLN_UNROLL
-        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
-            FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + v);
-            FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + v);
-            const FASTLN_VF dx_v = FASTLN_NAME(ln_backward_dx_float)(
-                dy + v, x + v, gamma ? gamma + v : NULL, &row, &dgamma, &dbeta);
-            FASTLN_ISA(store_f32)(dgamma_acc + v, dgamma);
-            FASTLN_ISA(store_f32)(dbeta_acc + v, dbeta);
-            if (stream_dx)
-                FASTLN_NAME(stream_c)(dx + v, dx_v);
-            else
-                FASTLN_NAME(store_c)(dx + v, dx_v);
-        }
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
+            FASTLN_NAME(ln_backward_write_float_vector)(dy, x, gamma, dx, v, &row, dgamma_acc,
+                                                        dbeta_acc, stream_dx);
     }
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
+        FASTLN_NAME(ln_backward_write_float_vector)(dy, x, gamma, dx, i, &row, dgamma_acc,
+                                                    dbeta_acc, stream_dx);
     if (stream_dx) fastln_streaming_fence();
     for (; i < n; i++)
         dx[i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
@@ -372,6 +390,11 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
             FASTLN_ISA(store_f32)(dbeta_acc + i + v * FASTLN_VF_LANES, dbeta[v]);
         }
     }
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(ln_backward_write_float_vector)(dy + r * stride, x + r * stride, gamma,
+                                                        dx + r * stride, i, &rows[r], dgamma_acc,
+                                                        dbeta_acc, 0);
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++)
             dx[r * stride + i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
@@ -576,60 +599,68 @@ FASTLN_INLINE int FASTLN_NAME(rms_backward_in_floats)(const fastln_rms_backward_
 #endif
 }
 
-/* The double write pass over width columns of n_rows consecutive rows (stride elements apart;
- * one row, or a group): each dgamma accumulator is loaded and stored once, and the rows add to
- * it in row order. */
+/* The double write pass over the n_vectors * VF_LANES columns at i of n_rows consecutive rows
+ * (stride elements apart; one row, or a group): each dgamma accumulator is loaded and stored
+ * once, and the rows add to it in row order. With streaming (a single row), the next row is
+ * prefetched and dx stored non-temporally (stream_dx: dx aligned). */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_double_chunk)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t i, const int n_vectors, const fastln_rms_backward_row *rows,
+    double *dgamma_acc, int streaming, int stream_dx)
+{
+    FASTLN_VD dgamma[FASTLN_STEP / FASTLN_VF_LANES][2], scale[FASTLN_STEP / FASTLN_VF_LANES][2];
+    FASTLN_UNROLL
+    for (int v = 0; v < n_vectors; v++) {
+        const int64_t column = i + v * FASTLN_VF_LANES;
+        dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
+        dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
+        if (gamma) FASTLN_NAME(load_wide_p)(gamma + column, &scale[v][0], &scale[v][1]);
+    }
+    if (streaming) {
+        FASTLN_NAME(prefetch_step)(dy + stride + i);
+        FASTLN_NAME(prefetch_step)(x + stride + i);
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        FASTLN_UNROLL
+        for (int v = 0; v < n_vectors; v++) {
+            const int64_t at = r * stride + i + v * FASTLN_VF_LANES;
+            FASTLN_VD dy_v[2], x_hat[2], dx_v[2];
+            FASTLN_NAME(load_wide)(dy + at, &dy_v[0], &dy_v[1]);
+            FASTLN_NAME(load_wide)(x + at, &x_hat[0], &x_hat[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                x_hat[h] *= rows[r].x_scale;
+                const FASTLN_VD dx_hat = gamma ? dy_v[h] * scale[v][h] : dy_v[h];
+                dgamma[v][h] += dy_v[h] * x_hat[h];
+                dx_v[h] = rows[r].rstd * (dx_hat - x_hat[h] * rows[r].mean_dxhat_xhat);
+            }
+            FASTLN_NAME(store_wide_to)(dx + at, dx_v[0], dx_v[1], stream_dx);
+        }
+    }
+    FASTLN_UNROLL
+    for (int v = 0; v < n_vectors; v++) {
+        const int64_t column = i + v * FASTLN_VF_LANES;
+        FASTLN_ISA(store_f64)(dgamma_acc + column, dgamma[v][0]);
+        FASTLN_ISA(store_f64)(dgamma_acc + column + FASTLN_VD_LANES, dgamma[v][1]);
+    }
+}
+
+/* The double write pass over width columns of n_rows consecutive rows, a cache line of each
+ * row at a time. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc,
     int streaming)
 {
     const int stream_dx = streaming && fastln_is_aligned16(dx);
-    enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
-    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
-        FASTLN_VD dgamma[VECTORS][2], scale[VECTORS][2];
-        FASTLN_UNROLL
-        for (int v = 0; v < VECTORS; v++) {
-            const int64_t column = i + v * FASTLN_VF_LANES;
-            dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
-            dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
-            if (gamma) FASTLN_NAME(load_wide_p)(gamma + column, &scale[v][0], &scale[v][1]);
-        }
-        if (streaming) {
-            FASTLN_NAME(prefetch_step)(dy + stride + i);
-            FASTLN_NAME(prefetch_step)(x + stride + i);
-        }
-        for (int64_t r = 0; r < n_rows; r++) {
-            FASTLN_UNROLL
-            for (int v = 0; v < VECTORS; v++) {
-                const int64_t at = r * stride + i + v * FASTLN_VF_LANES;
-                FASTLN_VD dy_v[2], x_hat[2], dx_v[2];
-                FASTLN_NAME(load_wide)(dy + at, &dy_v[0], &dy_v[1]);
-                FASTLN_NAME(load_wide)(x + at, &x_hat[0], &x_hat[1]);
-                FASTLN_UNROLL
-                for (int h = 0; h < 2; h++) {
-                    x_hat[h] *= rows[r].x_scale;
-                    const FASTLN_VD dx_hat = gamma ? dy_v[h] * scale[v][h] : dy_v[h];
-                    dgamma[v][h] += dy_v[h] * x_hat[h];
-                    dx_v[h] = rows[r].rstd * (dx_hat - x_hat[h] * rows[r].mean_dxhat_xhat);
-                }
-                if (stream_dx) {
-                    FASTLN_T out[FASTLN_VF_LANES];
-                    FASTLN_NAME(store_wide)(out, dx_v[0], dx_v[1]);
-                    FASTLN_ISA(stream_bytes)(dx + at, out, sizeof out);
-                } else {
-                    FASTLN_NAME(store_wide)(dx + at, dx_v[0], dx_v[1]);
-                }
-            }
-        }
-        FASTLN_UNROLL
-        for (int v = 0; v < VECTORS; v++) {
-            const int64_t column = i + v * FASTLN_VF_LANES;
-            FASTLN_ISA(store_f64)(dgamma_acc + column, dgamma[v][0]);
-            FASTLN_ISA(store_f64)(dgamma_acc + column + FASTLN_VD_LANES, dgamma[v][1]);
-        }
-    }
+    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP)
+        FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i,
+                                               FASTLN_STEP / FASTLN_VF_LANES, rows, dgamma_acc,
+                                               streaming, stream_dx);
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
+        FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rows,
+                                               dgamma_acc, 0, stream_dx);
     if (stream_dx) fastln_streaming_fence();
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++) {
@@ -644,9 +675,47 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
 }
 
 #if FASTLN_COMPUTE_F32
-/* The float write pass over width columns of n_rows rows, all of which rms_backward_in_floats
- * takes: dx = (dx_hat - x_hat * mean) * rstd in float, each product rounded once, dy * x_hat
- * widened into the double accumulators. */
+/* The float write pass over the n_vectors * VF_LANES columns at i of n_rows rows, all of which
+ * rms_backward_in_floats takes: dx = (dx_hat - x_hat * mean) * rstd in float, each product
+ * rounded once, dy * x_hat widened into the double accumulators (streaming as the double). */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t i, const int n_vectors, const float *rstd, const float *mean,
+    double *dgamma_acc, int streaming, int stream_dx)
+{
+    FASTLN_VD dgamma[FASTLN_STEP / FASTLN_VF_LANES][2];
+    FASTLN_UNROLL
+    for (int v = 0; v < n_vectors; v++) {
+        const int64_t column = i + v * FASTLN_VF_LANES;
+        dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
+        dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
+    }
+    if (streaming) {
+        FASTLN_NAME(prefetch_step)(dy + stride + i);
+        FASTLN_NAME(prefetch_step)(x + stride + i);
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        FASTLN_UNROLL
+        for (int v = 0; v < n_vectors; v++) {
+            const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
+            const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
+            const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
+            const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma + column) : dy_v;
+            const FASTLN_VF dgamma_v = dy_v * x_hat;
+            FASTLN_NAME(store_c_to)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], stream_dx);
+            dgamma[v][0] += FASTLN_ISA(widen_low)(dgamma_v);
+            dgamma[v][1] += FASTLN_ISA(widen_high)(dgamma_v);
+        }
+    }
+    FASTLN_UNROLL
+    for (int v = 0; v < n_vectors; v++) {
+        const int64_t column = i + v * FASTLN_VF_LANES;
+        FASTLN_ISA(store_f64)(dgamma_acc + column, dgamma[v][0]);
+        FASTLN_ISA(store_f64)(dgamma_acc + column + FASTLN_VD_LANES, dgamma[v][1]);
+    }
+}
+
+/* The float write pass over width columns of n_rows rows, a cache line of each at a time. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc,
@@ -658,44 +727,14 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
         rstd[r] = (float)rows[r].rstd;
         mean[r] = (float)rows[r].mean_dxhat_xhat;
     }
-    enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
-    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
-        FASTLN_VD dgamma[VECTORS][2];
-        FASTLN_UNROLL
-        for (int v = 0; v < VECTORS; v++) {
-            const int64_t column = i + v * FASTLN_VF_LANES;
-            dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
-            dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
-        }
-        if (streaming) {
-            FASTLN_NAME(prefetch_step)(dy + stride + i);
-            FASTLN_NAME(prefetch_step)(x + stride + i);
-        }
-        for (int64_t r = 0; r < n_rows; r++) {
-            FASTLN_UNROLL
-            for (int v = 0; v < VECTORS; v++) {
-                const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
-                const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
-                const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
-                const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma + column) : dy_v;
-                const FASTLN_VF dgamma_v = dy_v * x_hat;
-                const FASTLN_VF dx_v = (dx_hat - x_hat * mean[r]) * rstd[r];
-                if (stream_dx)
-                    FASTLN_NAME(stream_c)(dx + at, dx_v);
-                else
-                    FASTLN_NAME(store_c)(dx + at, dx_v);
-                dgamma[v][0] += FASTLN_ISA(widen_low)(dgamma_v);
-                dgamma[v][1] += FASTLN_ISA(widen_high)(dgamma_v);
-            }
-        }
-        FASTLN_UNROLL
-        for (int v = 0; v < VECTORS; v++) {
-            const int64_t column = i + v * FASTLN_VF_LANES;
-            FASTLN_ISA(store_f64)(dgamma_acc + column, dgamma[v][0]);
-            FASTLN_ISA(store_f64)(dgamma_acc + column + FASTLN_VD_LANES, dgamma[v][1]);
-        }
-    }
+    for (; i + FASTLN_STEP <= width; i += FASTLN_STEP)
+        FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i,
+                                              FASTLN_STEP / FASTLN_VF_LANES, rstd, mean,
+                                              dgamma_acc, streaming, stream_dx);
+    for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
+        FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rstd, mean,
+                                              dgamma_acc, 0, stream_dx);
     if (stream_dx) fastln_streaming_fence();
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++) {

@@ -16,9 +16,31 @@ FASTLN_INLINE void FASTLN_NAME(prefetch_step)(const FASTLN_T *p)
 
 /* ---- LayerNorm -------------------------------------------------------------------------- */
 
-/* y = gamma * x_hat + beta over n elements (a row, or a piece of it), all in double:
- * x_hat = ((x - shift) - mean_shifted) * rstd. The float64 pass, and the float32-compute types'
- * pass for rows whose rstd does not fit a float. */
+/* y = gamma * x_hat + beta for the VF_LANES elements at i, in double:
+ * x_hat = ((x - shift) - mean_shifted) * rstd. */
+FASTLN_INLINE void FASTLN_NAME(ln_write_double_vector)(
+    const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t i,
+    double shift, double mean_shifted, double rstd, int streaming)
+{
+    FASTLN_VD low, high, scale_low, scale_high;
+    FASTLN_NAME(load_wide)(x + i, &low, &high);
+    low = ((low - shift) - mean_shifted) * rstd;
+    high = ((high - shift) - mean_shifted) * rstd;
+    if (gamma) {
+        FASTLN_NAME(load_wide_p)(gamma + i, &scale_low, &scale_high);
+        low *= scale_low;
+        high *= scale_high;
+    }
+    if (beta) {
+        FASTLN_NAME(load_wide_p)(beta + i, &scale_low, &scale_high);
+        low += scale_low;
+        high += scale_high;
+    }
+    FASTLN_NAME(store_wide_to)(y + i, low, high, streaming);
+}
+
+/* y = gamma * x_hat + beta over n elements (a row, or a piece of it), all in double. The float64
+ * pass, and the float32-compute types' pass for rows whose rstd does not fit a float. */
 FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
     const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t n,
     double shift, double mean_shifted, double rstd, const int streaming)
@@ -27,30 +49,13 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
         FASTLN_NAME(prefetch_step)(x + n + i);
         FASTLN_UNROLL
-        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
-            FASTLN_VD low, high, scale_low, scale_high;
-            FASTLN_NAME(load_wide)(x + v, &low, &high);
-            low = ((low - shift) - mean_shifted) * rstd;
-            high = ((high - shift) - mean_shifted) * rstd;
-            if (gamma) {
-                FASTLN_NAME(load_wide_p)(gamma + v, &scale_low, &scale_high);
-                low *= scale_low;
-                high *= scale_high;
-            }
-            if (beta) {
-                FASTLN_NAME(load_wide_p)(beta + v, &scale_low, &scale_high);
-                low += scale_low;
-                high += scale_high;
-            }
-            if (streaming) {
-                FASTLN_T out[FASTLN_VF_LANES];
-                FASTLN_NAME(store_wide)(out, low, high);
-                FASTLN_ISA(stream_bytes)(y + v, out, sizeof out);
-            } else {
-                FASTLN_NAME(store_wide)(y + v, low, high);
-            }
-        }
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
+            FASTLN_NAME(ln_write_double_vector)(x, gamma, beta, y, v, shift, mean_shifted, rstd,
+                                                streaming);
     }
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
+        FASTLN_NAME(ln_write_double_vector)(x, gamma, beta, y, i, shift, mean_shifted, rstd,
+                                            streaming);
     if (streaming) fastln_streaming_fence();
     for (; i < n; i++) {
         double out = ((FASTLN_NAME(to_double)(x[i]) - shift) - mean_shifted) * rstd;
@@ -61,6 +66,17 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
 }
 
 #if FASTLN_COMPUTE_F32
+/* The same in float32 for the VF_LANES elements at i: x_hat = ((x - head) - tail) * rstd. */
+FASTLN_INLINE void FASTLN_NAME(ln_write_float_vector)(
+    const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t i,
+    float mean_head, float mean_tail, float rstd, int streaming)
+{
+    FASTLN_VF out = ((FASTLN_NAME(load_c)(x + i) - mean_head) - mean_tail) * rstd;
+    if (gamma) out *= FASTLN_NAME(load_p)(gamma + i);
+    if (beta) out += FASTLN_NAME(load_p)(beta + i);
+    FASTLN_NAME(store_c_to)(y + i, out, streaming);
+}
+
 /* The float32 pass: twice the lanes of the double pass and no conversions. The centring keeps
  * its precision by splitting the mean into a float head and tail: x - head is exact whenever x
  * is within a factor of two of the mean (the large-offset case), and otherwise rounds once
@@ -74,16 +90,13 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_float)(
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
         FASTLN_NAME(prefetch_step)(x + n + i);
         FASTLN_UNROLL
-        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
-            FASTLN_VF out = ((FASTLN_NAME(load_c)(x + v) - mean_head) - mean_tail) * rstd;
-            if (gamma) out *= FASTLN_NAME(load_p)(gamma + v);
-            if (beta) out += FASTLN_NAME(load_p)(beta + v);
-            if (streaming)
-                FASTLN_NAME(stream_c)(y + v, out);
-            else
-                FASTLN_NAME(store_c)(y + v, out);
-        }
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
+            FASTLN_NAME(ln_write_float_vector)(x, gamma, beta, y, v, mean_head, mean_tail, rstd,
+                                               streaming);
     }
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
+        FASTLN_NAME(ln_write_float_vector)(x, gamma, beta, y, i, mean_head, mean_tail, rstd,
+                                           streaming);
     if (streaming) fastln_streaming_fence();
     for (; i < n; i++) {
         float out = ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * rstd;
@@ -158,6 +171,23 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
 
 /* ---- RMSNorm ---------------------------------------------------------------------------- */
 
+/* y = gamma * (x * x_scale) for the VF_LANES elements at i, in double. */
+FASTLN_INLINE void FASTLN_NAME(rms_write_double_vector)(const FASTLN_T *x, const FASTLN_P *gamma,
+                                                        FASTLN_T *y, int64_t i, double x_scale,
+                                                        int streaming)
+{
+    FASTLN_VD low, high, scale_low, scale_high;
+    FASTLN_NAME(load_wide)(x + i, &low, &high);
+    low *= x_scale;
+    high *= x_scale;
+    if (gamma) {
+        FASTLN_NAME(load_wide_p)(gamma + i, &scale_low, &scale_high);
+        low *= scale_low;
+        high *= scale_high;
+    }
+    FASTLN_NAME(store_wide_to)(y + i, low, high, streaming);
+}
+
 /* y = gamma * (x * x_scale) over n elements, all in double. */
 FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FASTLN_P *gamma,
                                                  FASTLN_T *y, int64_t n, double x_scale,
@@ -167,25 +197,11 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FAST
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
         FASTLN_NAME(prefetch_step)(x + n + i);
         FASTLN_UNROLL
-        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
-            FASTLN_VD low, high, scale_low, scale_high;
-            FASTLN_NAME(load_wide)(x + v, &low, &high);
-            low *= x_scale;
-            high *= x_scale;
-            if (gamma) {
-                FASTLN_NAME(load_wide_p)(gamma + v, &scale_low, &scale_high);
-                low *= scale_low;
-                high *= scale_high;
-            }
-            if (streaming) {
-                FASTLN_T out[FASTLN_VF_LANES];
-                FASTLN_NAME(store_wide)(out, low, high);
-                FASTLN_ISA(stream_bytes)(y + v, out, sizeof out);
-            } else {
-                FASTLN_NAME(store_wide)(y + v, low, high);
-            }
-        }
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
+            FASTLN_NAME(rms_write_double_vector)(x, gamma, y, v, x_scale, streaming);
     }
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
+        FASTLN_NAME(rms_write_double_vector)(x, gamma, y, i, x_scale, streaming);
     if (streaming) fastln_streaming_fence();
     for (; i < n; i++) {
         double out = FASTLN_NAME(to_double)(x[i]) * x_scale;
@@ -193,6 +209,18 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FAST
         y[i] = FASTLN_NAME(from_double)(out);
     }
 }
+
+#if FASTLN_COMPUTE_F32
+/* y = (x * rstd) * gamma for the VF_LANES elements at i, in float. */
+FASTLN_INLINE void FASTLN_NAME(rms_write_float_vector)(const FASTLN_T *x, const FASTLN_P *gamma,
+                                                       FASTLN_T *y, int64_t i, float rstd,
+                                                       int streaming)
+{
+    FASTLN_VF out = FASTLN_NAME(load_c)(x + i) * rstd;
+    if (gamma) out *= FASTLN_NAME(load_p)(gamma + i);
+    FASTLN_NAME(store_c_to)(y + i, out, streaming);
+}
+#endif
 
 /* y = (x * rstd) * gamma over n elements. float32-compute rows go in float (rstd rounded to
  * float: three roundings of u32 each, for twice the lanes; there is no centring to lose digits
@@ -210,15 +238,11 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
         for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
             FASTLN_NAME(prefetch_step)(x + n + i);
             FASTLN_UNROLL
-            for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
-                FASTLN_VF out = FASTLN_NAME(load_c)(x + v) * rstd;
-                if (gamma) out *= FASTLN_NAME(load_p)(gamma + v);
-                if (streaming)
-                    FASTLN_NAME(stream_c)(y + v, out);
-                else
-                    FASTLN_NAME(store_c)(y + v, out);
-            }
+            for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
+                FASTLN_NAME(rms_write_float_vector)(x, gamma, y, v, rstd, streaming);
         }
+        for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
+            FASTLN_NAME(rms_write_float_vector)(x, gamma, y, i, rstd, streaming);
         if (streaming) fastln_streaming_fence();
         for (; i < n; i++) {
             float out = FASTLN_NAME(to_compute)(x[i]) * rstd;

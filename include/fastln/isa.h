@@ -132,6 +132,25 @@ FASTLN_INLINE void FASTLN_ISA(store_float16)(uint16_t *p, FASTLN_VF v)
 #endif
 }
 
+/* One float16 element either way, as the vector conversions do it. */
+FASTLN_INLINE float FASTLN_ISA(float16_to_float)(uint16_t half)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(half);
+#else
+    return fastln_float16_to_float(half);
+#endif
+}
+
+FASTLN_INLINE uint16_t FASTLN_ISA(float_to_float16)(float value)
+{
+#if defined(__F16C__)
+    return _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return fastln_float_to_float16(value);
+#endif
+}
+
 /* bfloat16 is the top half of a float32: widening is a shift, narrowing rounds the low half
  * away (to nearest even, NaN to the quiet NaN 0x7fc0 with its sign, as ml_dtypes does). Integer
  * vector arithmetic, the same on every target. */

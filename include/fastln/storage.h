@@ -63,7 +63,7 @@
 FASTLN_INLINE FASTLN_C FASTLN_NAME(to_compute)(FASTLN_T value)
 {
 #if FASTLN_STORAGE == FASTLN_FLOAT16
-    return fastln_float16_to_float(value);
+    return FASTLN_ISA(float16_to_float)(value);
 #elif FASTLN_STORAGE == FASTLN_BFLOAT16
     return fastln_bfloat16_to_float(value);
 #else
@@ -79,7 +79,7 @@ FASTLN_INLINE double FASTLN_NAME(to_double)(FASTLN_T value)
 FASTLN_INLINE FASTLN_T FASTLN_NAME(from_compute)(FASTLN_C value)
 {
 #if FASTLN_STORAGE == FASTLN_FLOAT16
-    return fastln_float_to_float16(value);
+    return FASTLN_ISA(float_to_float16)(value);
 #elif FASTLN_STORAGE == FASTLN_BFLOAT16
     return fastln_float_to_bfloat16(value);
 #else
@@ -128,6 +128,15 @@ FASTLN_INLINE void FASTLN_NAME(stream_c)(FASTLN_T *p, FASTLN_VC v)
     FASTLN_ISA(stream_bytes)(p, elements, sizeof elements);
 }
 
+/* store_c, or stream_c when streaming. */
+FASTLN_INLINE void FASTLN_NAME(store_c_to)(FASTLN_T *p, FASTLN_VC v, int streaming)
+{
+    if (streaming)
+        FASTLN_NAME(stream_c)(p, v);
+    else
+        FASTLN_NAME(store_c)(p, v);
+}
+
 /* FASTLN_VF_LANES elements as two double vectors (exact), and back (rounded once per type). */
 FASTLN_INLINE void FASTLN_NAME(load_wide)(const FASTLN_T *p, FASTLN_VD *low, FASTLN_VD *high)
 {
@@ -149,6 +158,19 @@ FASTLN_INLINE void FASTLN_NAME(store_wide)(FASTLN_T *p, FASTLN_VD low, FASTLN_VD
     FASTLN_ISA(store_f64)(p, low);
     FASTLN_ISA(store_f64)(p + FASTLN_VD_LANES, high);
 #endif
+}
+
+/* store_wide, with non-temporal stores when streaming (p 16-byte aligned then). */
+FASTLN_INLINE void FASTLN_NAME(store_wide_to)(FASTLN_T *p, FASTLN_VD low, FASTLN_VD high,
+                                              int streaming)
+{
+    if (!streaming) {
+        FASTLN_NAME(store_wide)(p, low, high);
+        return;
+    }
+    FASTLN_T out[FASTLN_VF_LANES];
+    FASTLN_NAME(store_wide)(out, low, high);
+    FASTLN_ISA(stream_bytes)(p, out, sizeof out);
 }
 
 /* The same from parameters (gamma, beta, bias: FASTLN_P) and from padded blocks of compute
