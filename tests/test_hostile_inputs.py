@@ -42,11 +42,10 @@ Tolerances, per row (per feature for BatchNorm), by what each result is made of:
   half formats (their squares fit in double) nor in BatchNorm's evaluation mode (no squares).
 - Constant groups whose eps is below their rounding noise are left out (see
   degenerate_groups); explicit tests below hold fastln to the exact answer there.
-- Out of scope, and left out: groups in which some x - mean is beyond float64 (values of both
-  signs near DBL_MAX; only ``object`` values given as a nested list bring them here, since
-  typed_values turns their infinities into +-DBL_MAX). fastln's kernels centre in float64,
-  where such a deviation is not a number (see deviations_beyond_float64); the reference
-  scales each group first and gets them right.
+- Groups in which some x - mean is beyond float64 (values of both signs near DBL_MAX; only
+  ``object`` values given as a nested list bring them here, since typed_values turns their
+  infinities into +-DBL_MAX) are compared like any other: fastln's kernels scale such a group
+  by a power of two before centring it, as the reference scales each group first.
 
 Run more examples with ``HYPOTHESIS_PROFILE=thorough`` (2000 per function) or
 ``FASTLN_HOSTILE_EXAMPLES=N``; see tools/README.md.
@@ -1234,22 +1233,6 @@ def degenerate_groups(groups, eps):
     return constant & np.isfinite(groups[:, 0]) & (eps <= noise) & (groups[:, 0] != 0)
 
 
-def deviations_beyond_float64(groups, scale):
-    """Groups (rows of `groups`, their values times `scale`) of finite values in which some
-    x - mean, taken in float64 on the call's values, overflows: out of scope. fastln and the
-    reference both centre in float64 (fastln returns NaN for such a group, the reference on the
-    unscaled values NaN or garbage), though x_hat itself is finite. RMSNorm does not centre."""
-    if groups.shape[1] == 0:
-        return np.zeros(groups.shape[0], bool)
-    finite = np.all(np.isfinite(groups), axis=1)
-    values = groups / scale[:, None]  # the call's own (exactly: c is a power of two)
-    k = groups.shape[1].bit_length()  # a mean of values / 2**k cannot overflow
-    with np.errstate(all="ignore"):
-        centre = np.ldexp(np.mean(np.ldexp(values, -k), axis=1), k)
-        beyond = np.any(np.isinf(values - centre[:, None]), axis=1)
-    return finite & beyond
-
-
 def param_values(param, n, default):
     if param is None:
         return np.full(n, default)
@@ -1303,9 +1286,7 @@ def compare_row_norm(result, expected, call):
         assert_agrees(got["s"], s_exp, ulp + floor(s_exp.dtype), "s")
     groups, x_rows = expected.groups, expected.x
     _, kappa = group_stats(x_rows, expected.eps, rms)
-    beyond = (np.zeros(x_rows.shape[0], bool) if rms
-              else deviations_beyond_float64(x_rows, expected.scale))
-    ignore = None if rms else degenerate_groups(x_rows, expected.eps) | beyond
+    ignore = None if rms else degenerate_groups(x_rows, expected.eps)
     if x_rows.size:
         n_cols = x_rows.shape[1]
         compare_normalized(groups.view(y, y.dtype), expected.values["y"], base["y"].dtype, kappa,
@@ -1323,7 +1304,7 @@ def compare_row_norm(result, expected, call):
                       ignore)
         if not rms:
             compare_stats(cache.mean, cache_exp.mean, expected.values["mean"], kappa,
-                          finite_max(x_rows, axis=1) / expected.scale, "mean", beyond)
+                          finite_max(x_rows, axis=1) / expected.scale, "mean", None)
 
 
 def compare_batch_norm(result, expected, call):
@@ -1343,8 +1324,8 @@ def compare_batch_norm(result, expected, call):
             kappa = (finite_max(columns, axis=1) + np.abs(centre)) * rstd
         kappa = np.where(np.isfinite(kappa), kappa, 0.0)
     n_features = columns.shape[0]
-    ignore = (degenerate_groups(columns, eps) | deviations_beyond_float64(columns, expected.scale)
-              if training else np.zeros(n_features, bool))
+    ignore = (degenerate_groups(columns, eps) if training
+              else np.zeros(n_features, bool))
     if y.size:
         compare_normalized(groups.view(y, y.dtype), expected.values["y"], base["y"].dtype, kappa,
                            param_values(expected.call.info["gamma"], n_features, 1.0)[:, None],
@@ -1402,8 +1383,7 @@ def compare_backward(result, expected, call):
     rstd, kappa = group_stats(x_groups, expected.eps, rms)  # the expected calls' (scaled)
     scale = expected.scale
     left_out = (np.zeros(x_groups.shape[0], bool) if rms
-                else degenerate_groups(x_groups, expected.eps)
-                | deviations_beyond_float64(x_groups, scale))
+                else degenerate_groups(x_groups, expected.eps))
     if bn and not cache_exp.training:  # the statistics are the running ones (never scaled)
         rstd = np.asarray(cache_exp.rstd, np.float64)
         kappa = np.zeros_like(rstd)
@@ -1610,18 +1590,13 @@ def test_harness_scales_each_group_on_its_own(name):
     check_case(MISJUDGED[name])
 
 
-def test_harness_leaves_out_only_deviations_beyond_float64():
-    """The out-of-scope rule (module docstring): a row whose x - mean overflows float64 (fastln
-    returns NaN for it, the reference on the unscaled row garbage) is left out; rows whose
-    deviations fit - also WIDE_ROWS, near DBL_MAX - are compared. The object values drawn as a
-    nested list that first showed it (a thorough run with a random seed) pass."""
+def test_harness_compares_deviations_beyond_float64():
+    """A row whose x - mean overflows float64 (values of both signs near DBL_MAX) is compared
+    like any other. The object values drawn as a nested list that first showed it (a thorough
+    run with a random seed) pass; so does the row itself, in every layout."""
     beyond = np.array([[DBL_MAX, -DBL_MAX, 1e300, 1.0, 2.0, 3.0]])
-    rows = np.concatenate([WIDE_ROWS, beyond, np.ones((1, 6))])
-    for exponent in (0, -524):
-        scale = np.full(len(rows), 2.0 ** exponent)
-        np.testing.assert_array_equal(deviations_beyond_float64(rows * scale[:, None], scale),
-                                      [False, False, False, True, False])
-    assert np.all(np.isnan(fastln.layer_norm(beyond)))
+    y = fastln.layer_norm(beyond)
+    np.testing.assert_allclose(y, ref.layer_norm(beyond), rtol=1e-14, atol=1e-15)
     check_case(dict(func="layer_norm_forward", seed=0, shape=(80, 1024), axis=0, dtype="object",
                     x_kind="mixed", x_layout=Layout(container="list"), eps=1e-5,
                     num_threads=None, gamma="none", beta="none", out="none"))

@@ -129,6 +129,7 @@ static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
         const double dgamma = isinf(rstd) ? 0.0 * call->sum_dy[c]
                                           : rstd * (call->sum_dy_d[c] - correction * call->sum_dy[c]);
         call->dgamma[c] = dgamma;
+        call->dx_mean[c] = call->mean[c];
         call->correction[c] = correction;
         call->k[c] = call->gamma ? call->gamma[c] * rstd : rstd;
         call->mean_dy[c] = call->training ? call->sum_dy[c] / count : 0.0;
@@ -154,6 +155,19 @@ static inline double fastln_bn_backward_scaled_rstd(double rstd, double var_scal
 {
     return isnormal(rstd) ? ldexp(rstd, -exponent)
                           : fastln_bn_scaled_rstd(var_scaled, eps, exponent);
+}
+
+/* A deviation of a feature's rare path (fastln/rare.h): x - mean, each term scaled by
+ * 2^prescale first (0, or -2 for features whose deviations pass DBL_MAX), and the same brought to
+ * about 1 by bn_rescaled_moments' exponent. */
+FASTLN_INLINE double fastln_bn_deviation(double x, double mean, int prescale)
+{
+    return ldexp(x, prescale) - ldexp(mean, prescale);
+}
+
+FASTLN_INLINE double fastln_bn_scaled_deviation(double x, double mean, int exponent, int prescale)
+{
+    return ldexp(fastln_bn_deviation(x, mean, prescale), exponent - prescale);
 }
 
 /* scaled * 2^exponent is what the write passes can use: a normal double, or an exact 0. */

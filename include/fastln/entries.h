@@ -324,13 +324,13 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
             FASTLN_NAME(bn_backward_apply_rows)(
                 dy + offset, x + offset, dx + offset,
                 fastln_min(call->rows_per_unit, call->n_outer - start), call->n_features,
-                call->training, call->mean, call->correction, call->k, call->mean_dy,
+                call->training, call->dx_mean, call->correction, call->k, call->mean_dy,
                 call->coef);
         } else {
             const int64_t c = unit % call->n_features, offset = unit * call->n_inner;
             FASTLN_NAME(bn_backward_apply_segment)(dy + offset, x + offset, dx + offset,
                                                    call->n_inner, call->training,
-                                                   call->mean[c], call->correction[c],
+                                                   call->dx_mean[c], call->correction[c],
                                                    call->k[c], call->mean_dy[c], call->coef[c]);
         }
     }

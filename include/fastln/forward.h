@@ -150,9 +150,9 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
 {
     fastln_ln_stats stats;
     FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
-    *mean_out = stats.shift + stats.mean_shifted;
+    *mean_out = stats.mean;
     *rstd_out = stats.rstd;
-    if (isinf(stats.rstd) && stats.var > 0.0) {
+    if (stats.rare) {
         FASTLN_NAME(ln_write_rescaled)(x, gamma, beta, y, n_cols, &stats);
         return;
     }

@@ -96,6 +96,8 @@ typedef struct {
     /* scratch: per-feature doubles, the block partials (zeroed), and the rare features */
     double *shift, *center, *scale, *offset, *sum, *sumsq;
     double *sum_dy, *sum_dy_d, *sum_d, *dgamma, *correction, *k, *mean_dy, *coef;
+    double *dx_mean; /* the dx pass's mean: the cache's, 0 for the features the rare path
+                     * finishes (so that x - dx_mean cannot overflow while dy is copied) */
     double *partials;
     int64_t *finish, *n_finish;
 } fastln_bn_call;
@@ -117,14 +119,31 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
 
 /* One row's LayerNorm statistics (ln_statistics): the sums are taken on x - shift (shift = x[0],
  * or the mean where those sums overflow), and x_hat = ((x - shift) - mean_shifted) * rstd,
- * rstd = 1 / sqrt(var + eps). Where rstd is beyond double's range (Inf: eps = 0 and a spread
- * below ~1e-308), x_hat is ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled instead;
- * otherwise rstd = ldexp(rstd_scaled, exponent) (exponent = 0 but on the rescaled path). var is
- * 0 only for a constant row (and is in units of 4^-exponent). */
+ * rstd = 1 / sqrt(var + eps); mean is the row's mean. A row of the rare paths (rare set: an rstd
+ * beyond double's range - eps = 0 and a spread below ~1e-308 -, deviations beyond double - values
+ * of both signs near DBL_MAX -) has x_hat = fastln_ln_rare_x_hat instead: its deviations computed
+ * under 2^prescale, brought to about 1 by 2^(exponent - prescale), less their mean center, times
+ * rstd_scaled; and rstd = ldexp(rstd_scaled, exponent). var is 0 only for a constant row (and is
+ * in the scaled units on the rescaled path). */
 typedef struct {
-    double shift, mean_shifted, var, rstd, rstd_scaled;
-    int exponent;
+    double shift, mean_shifted, mean, var, rstd, rstd_scaled, center;
+    int exponent, prescale, rare;
 } fastln_ln_stats;
+
+/* A deviation of the rare paths: (x - shift) - mean_shifted, each term scaled by 2^prescale
+ * first (exactly: prescale is 0 for rows with subnormal values). */
+FASTLN_INLINE double fastln_ln_deviation(double x, const fastln_ln_stats *stats)
+{
+    return (ldexp(x, stats->prescale) - ldexp(stats->shift, stats->prescale))
+           - ldexp(stats->mean_shifted, stats->prescale);
+}
+
+/* x_hat of the rare paths: the deviation brought to about 1, less the deviations' own mean. */
+FASTLN_INLINE double fastln_ln_rare_x_hat(double x, const fastln_ln_stats *stats)
+{
+    return (ldexp(fastln_ln_deviation(x, stats), stats->exponent - stats->prescale)
+            - stats->center) * stats->rstd_scaled;
+}
 
 /* The one-pass variance sum(d * d) / n - mean(d)^2 is recomputed around the mean when the two
  * terms cancel by more than this factor (4 bits): a row whose first element lies more than four

@@ -9,16 +9,15 @@
 
 /* ---- LayerNorm -------------------------------------------------------------------------- */
 
-/* y = gamma * x_hat + beta for a row whose rstd is beyond double's range (eps = 0 and a spread
- * below ~1e-308), with x_hat = ldexp((x - shift) - mean_shifted, exponent) * rstd_scaled: each
- * deviation is brought to about 1 first. In place is fine. */
+/* y = gamma * x_hat + beta for a row of the rare paths (fastln_ln_stats' rare: an rstd or a
+ * deviation beyond double's range), with x_hat = fastln_ln_rare_x_hat: each deviation brought to
+ * about 1 first. In place is fine. */
 static void FASTLN_NAME(ln_write_rescaled)(const FASTLN_T *x, const FASTLN_P *gamma,
                                            const FASTLN_P *beta, FASTLN_T *y, int64_t n_cols,
                                            const fastln_ln_stats *stats)
 {
     for (int64_t j = 0; j < n_cols; j++) {
-        double value = ldexp((FASTLN_NAME(to_double)(x[j]) - stats->shift) - stats->mean_shifted,
-                             stats->exponent) * stats->rstd_scaled;
+        double value = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), stats);
         if (gamma) value *= (double)gamma[j];
         if (beta) value += (double)beta[j];
         y[j] = FASTLN_NAME(from_double)(value);
@@ -32,13 +31,13 @@ FASTLN_INLINE double FASTLN_NAME(dx_hat)(const FASTLN_T *dy, const FASTLN_P *gam
 }
 
 /* Backward of a row from its statistics taken again from x (ln_statistics), all in double:
- *     x_hat = ldexp((x - shift) - mean_shifted, e) * rstd_scaled          (|x_hat| <= sqrt(n))
+ *     x_hat = fastln_ln_rare_x_hat(x)                                        (|x_hat| <= sqrt(n))
  *     g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|                   (|g| < 1)
- *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), e + k)
+ *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), exponent + k)
  * so no product leaves double's range unless dx itself does. For the rows the vector passes
  * cannot take: an rstd beyond the cache's range (Inf: float32 subnormal spreads, float64 ones
- * with eps = 0), or dy * (x - mean) beyond double's (|x| and |dy| near 1e300, or both tiny).
- * dx may be dy. */
+ * with eps = 0), dy * (x - mean) beyond double's (|x| and |dy| near 1e300, or both tiny), or
+ * x - mean itself beyond double. dx may be dy. */
 static void FASTLN_NAME(ln_backward_row_recomputed)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_cols,
     double eps, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc)
@@ -54,8 +53,7 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
     if (largest > 0.0) frexp(largest, &k);
     double sum_g = 0.0, sum_g_xhat = 0.0;
     for (int64_t j = 0; j < n_cols; j++) {
-        const double x_hat = ldexp((FASTLN_NAME(to_double)(x[j]) - stats.shift)
-                                   - stats.mean_shifted, stats.exponent) * stats.rstd_scaled;
+        const double x_hat = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), &stats);
         const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
         sum_g += g;
         sum_g_xhat += g * x_hat;
@@ -63,8 +61,7 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
     const double mean_g = sum_g / (double)n_cols;
     const double mean_g_xhat = sum_g_xhat / (double)n_cols;
     for (int64_t j = 0; j < n_cols; j++) {
-        const double x_hat = ldexp((FASTLN_NAME(to_double)(x[j]) - stats.shift)
-                                   - stats.mean_shifted, stats.exponent) * stats.rstd_scaled;
+        const double x_hat = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), &stats);
         const double dy_j = FASTLN_NAME(to_double)(dy[j]);
         const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
         dgamma_acc[j] += (FASTLN_P)(dy_j * x_hat);
@@ -230,37 +227,44 @@ static double FASTLN_NAME(bn_rescaled_mean)(const FASTLN_T *x, int64_t n_outer,
 }
 
 /* The deviations d = x - mean of a feature, scaled by the power of two 2^exponent that brings
- * the largest into [0.5, 1): their mean `center` (small: the rounding of `mean`) and their
- * variance about it. Returns 0, and leaves the outputs alone, when there is nothing to rescale:
- * a constant feature, or deviations beyond double (an Inf, or values of both signs near
- * double's largest). Callers never pass a feature holding NaN. */
+ * the largest into [0.5, 1): d_scaled = ldexp(fastln_bn_deviation(x, mean, prescale),
+ * exponent - prescale). Gives their mean `center` (small: the rounding of `mean`) and their
+ * variance about it; *prescale_out is -2 when x - mean itself passes DBL_MAX (values of both
+ * signs near it), else 0. Returns 0, and leaves the outputs alone, when there is nothing to
+ * rescale: a constant feature, or an Inf in it. Callers never pass a feature holding NaN. */
 static int FASTLN_NAME(bn_rescaled_moments)(const FASTLN_T *x, int64_t n_outer,
                                             int64_t n_features, int64_t n_inner,
                                             int64_t feature, double mean, int *exponent_out,
-                                            double *center_out, double *var_out)
+                                            int *prescale_out, double *center_out,
+                                            double *var_out)
 {
     const FASTLN_T *column = x + feature * n_inner;
     double largest = 0.0;
-    for (int64_t k = 0; k < n_outer; k++)
-        for (int64_t l = 0; l < n_inner; l++)
-            largest = fmax(largest,
-                           fabs(FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l) - mean));
+    int prescale = 0;
+    for (int pass = 0; pass < 2; pass++, prescale = -2) {
+        largest = 0.0;
+        for (int64_t k = 0; k < n_outer; k++)
+            for (int64_t l = 0; l < n_inner; l++)
+                largest = fmax(largest, fabs(fastln_bn_deviation(
+                    FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l), mean, prescale)));
+        if (!isinf(largest)) break;
+    }
     if (!(largest > 0.0) || isinf(largest)) return 0;
-    int exponent;
-    frexp(largest, &exponent);
-    exponent = -exponent;
+    int e;
+    frexp(largest, &e);
     double sum = 0.0, sumsq = 0.0;
     for (int64_t k = 0; k < n_outer; k++)
         for (int64_t l = 0; l < n_inner; l++) {
-            const double d =
-                ldexp(FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l) - mean, exponent);
+            const double d = ldexp(fastln_bn_deviation(
+                FASTLN_NAME(bn_value)(column, n_features, n_inner, k, l), mean, prescale), -e);
             sum += d;
             sumsq += d * d;
         }
     const double count = (double)(n_outer * n_inner);
     const double center = sum / count;
     const double var = sumsq / count - center * center;
-    *exponent_out = exponent;
+    *exponent_out = prescale - e;
+    *prescale_out = prescale;
     *center_out = center;
     *var_out = var < 0.0 ? 0.0 : var;
     return 1;
@@ -270,7 +274,8 @@ static int FASTLN_NAME(bn_rescaled_moments)(const FASTLN_T *x, int64_t n_outer,
  * double's range there - squares or sums that overflowed (NaN or Inf variance, finite or
  * infinite mean: |x| beyond ~1e154), or a variance below FASTLN_BN_TINY with eps below it too
  * (squares that underflowed) - are taken again on rescaled deviations, and their statistics and
- * write-pass constants replaced. Features holding NaN or Inf stay as they are.
+ * write-pass constants replaced. Features holding NaN or Inf stay as they are (their rescaled
+ * mean is not finite).
  *
  * var and rstd get the true values rounded to double, out of range included: var is inf for
  * spreads beyond ~1e154 and 0 below ~1e-162, rstd inf for spreads below ~5e-309 with eps = 0.
@@ -281,7 +286,9 @@ static void FASTLN_NAME(bn_rescale_train)(const FASTLN_T *x, const fastln_bn_cal
 {
     *c->n_finish = 0;
     for (int64_t f = 0; f < c->n_features; f++) {
-        const int overflowed = !isnan(c->center[f]) && !isfinite(c->var[f]);
+        /* center is NaN also when two slots' shifted sums overflowed to both infinities;
+         * bn_rescaled_mean below tells that from a NaN or Inf in x */
+        const int overflowed = !isfinite(c->center[f]) || !isfinite(c->var[f]);
         const int underflowed = c->var[f] < FASTLN_BN_TINY && c->eps < FASTLN_BN_TINY;
         if (!overflowed && !underflowed) continue;
         /* center is the shifted mean: not finite when the shifted sum itself overflowed */
@@ -289,19 +296,21 @@ static void FASTLN_NAME(bn_rescale_train)(const FASTLN_T *x, const fastln_bn_cal
             ? c->mean[f]
             : FASTLN_NAME(bn_rescaled_mean)(x, c->n_outer, c->n_features, c->n_inner, f,
                                             c->shift[f]);
-        int exponent;
+        int exponent, prescale;
         double center_scaled, var_scaled;
         if (!isfinite(feature_mean)
             || !FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f,
-                                                 feature_mean, &exponent, &center_scaled,
-                                                 &var_scaled))
+                                                 feature_mean, &exponent, &prescale,
+                                                 &center_scaled, &var_scaled))
             continue;
         const double rstd_scaled = fastln_bn_scaled_rstd(var_scaled, c->eps, exponent);
         const double scale_scaled = c->gamma ? rstd_scaled * c->gamma[f] : rstd_scaled;
         c->mean[f] = feature_mean;
         c->var[f] = ldexp(var_scaled, -2 * exponent);
         c->rstd[f] = ldexp(rstd_scaled, exponent);
-        if (fastln_bn_in_range(scale_scaled, exponent)) {
+        /* The write pass takes the feature unless its constants leave double's range, or its
+         * deviations do (then x - shift would overflow there). */
+        if (prescale == 0 && fastln_bn_in_range(scale_scaled, exponent)) {
             c->shift[f] = feature_mean;
             c->center[f] = ldexp(center_scaled, -exponent);
             c->scale[f] = ldexp(scale_scaled, exponent);
@@ -324,10 +333,10 @@ static void FASTLN_NAME(bn_finish_rescaled)(FASTLN_T *y, const fastln_bn_call *c
     for (int64_t i = 0; i < *c->n_finish; i++) {
         const int64_t f = c->finish[i];
         const double mean = c->mean[f];
-        int exponent;
+        int exponent, prescale;
         double center_scaled, var_scaled;
         if (!FASTLN_NAME(bn_rescaled_moments)(y, c->n_outer, c->n_features, c->n_inner, f, mean,
-                                              &exponent, &center_scaled, &var_scaled))
+                                              &exponent, &prescale, &center_scaled, &var_scaled))
             continue; /* not reached: these are the values the forward rescaled */
         const double rstd_scaled = fastln_bn_scaled_rstd(var_scaled, c->eps, exponent);
         const double scale = c->gamma ? rstd_scaled * c->gamma[f] : rstd_scaled;
@@ -336,7 +345,8 @@ static void FASTLN_NAME(bn_finish_rescaled)(FASTLN_T *y, const fastln_bn_call *c
         for (int64_t k = 0; k < c->n_outer; k++)
             for (int64_t l = 0; l < c->n_inner; l++) {
                 FASTLN_T *value = column + k * stride + l;
-                const double d = ldexp(FASTLN_NAME(to_double)(*value) - mean, exponent);
+                const double d = fastln_bn_scaled_deviation(FASTLN_NAME(to_double)(*value), mean,
+                                                            exponent, prescale);
                 *value = FASTLN_NAME(from_double)((d - center_scaled) * scale + offset);
             }
     }
@@ -360,13 +370,17 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
     for (int64_t f = 0; f < c->n_features; f++) {
         const double rstd = c->rstd[f];
         const int out_of_range = rstd > FASTLN_BN_RSTD_HUGE || rstd < DBL_MIN;
+        /* a sum of dy * d that overflowed (huge x and huge dy), or of d itself (x - mean beyond
+         * double: values of both signs near DBL_MAX; an Inf in x, which the moments refuse) */
         const int overflowed =
-            !isfinite(c->sum_dy_d[f]) && isfinite(c->sum_dy[f]) && isfinite(c->sum_d[f]);
+            (!isfinite(c->sum_dy_d[f]) && isfinite(c->sum_dy[f]) && isfinite(c->sum_d[f]))
+            || (!isfinite(c->sum_d[f]) && isfinite(c->mean[f]));
         if (!out_of_range && !overflowed) continue;
-        int exponent;
+        int exponent, prescale;
         double center_scaled, var_scaled;
         if (!FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f,
-                                              c->mean[f], &exponent, &center_scaled, &var_scaled))
+                                              c->mean[f], &exponent, &prescale, &center_scaled,
+                                              &var_scaled))
             continue; /* constant (x_hat = 0, as fastln_bn_backward_constants has it), or beyond */
         const double rstd_scaled = fastln_bn_backward_scaled_rstd(rstd, var_scaled, c->eps,
                                                                   exponent);
@@ -377,18 +391,21 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
             for (int64_t l = 0; l < c->n_inner; l++) {
                 const int64_t at = k * stride + l;
                 sum_dy_d_scaled += FASTLN_NAME(to_double)(dy_column[at])
-                                   * ldexp(FASTLN_NAME(to_double)(x_column[at]) - c->mean[f],
-                                           exponent);
+                                   * fastln_bn_scaled_deviation(
+                                         FASTLN_NAME(to_double)(x_column[at]), c->mean[f],
+                                         exponent, prescale);
             }
         const double dgamma = rstd_scaled * (sum_dy_d_scaled - center_scaled * c->sum_dy[f]);
         const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
         const double coef_scaled = rstd_scaled * dgamma / count;
         c->dgamma[f] = dgamma;
-        if (fastln_bn_in_range(k_scaled, exponent) && fastln_bn_in_range(coef_scaled, exponent)) {
+        if (prescale == 0 && fastln_bn_in_range(k_scaled, exponent)
+            && fastln_bn_in_range(coef_scaled, exponent)) {
             c->correction[f] = ldexp(center_scaled, -exponent);
             c->k[f] = ldexp(k_scaled, exponent);
             c->coef[f] = ldexp(coef_scaled, exponent);
-        } else { /* 1 * ((dy - 0) - ((x - mean) - 0) * 0) is dy */
+        } else { /* 1 * ((dy - 0) - ((x - 0) - 0) * 0) is dy: x - 0 cannot overflow */
+            c->dx_mean[f] = 0.0;
             c->correction[f] = 0.0;
             c->k[f] = 1.0;
             c->mean_dy[f] = 0.0;
@@ -409,10 +426,10 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
     for (int64_t i = 0; i < *c->n_finish; i++) {
         const int64_t f = c->finish[i];
         const double mean = c->mean[f];
-        int exponent;
+        int exponent, prescale;
         double center_scaled, var_scaled;
         if (!FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f, mean,
-                                              &exponent, &center_scaled, &var_scaled))
+                                              &exponent, &prescale, &center_scaled, &var_scaled))
             continue; /* not reached: bn_rescale_backward took these moments */
         const double rstd_scaled = fastln_bn_backward_scaled_rstd(c->rstd[f], var_scaled, c->eps,
                                                                   exponent);
@@ -424,7 +441,8 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
         for (int64_t k = 0; k < c->n_outer; k++)
             for (int64_t l = 0; l < c->n_inner; l++) {
                 const int64_t at = k * stride + l;
-                const double d = ldexp(FASTLN_NAME(to_double)(x_column[at]) - mean, exponent);
+                const double d = fastln_bn_scaled_deviation(FASTLN_NAME(to_double)(x_column[at]),
+                                                            mean, exponent, prescale);
                 const double dy_centred = FASTLN_NAME(to_double)(dx_column[at]) - mean_dy;
                 dx_column[at] = FASTLN_NAME(from_double)(
                     ldexp(k_scaled * (dy_centred - (d - center_scaled) * coef_scaled), exponent));

@@ -69,43 +69,63 @@ static int FASTLN_NAME(ln_wide_mean)(const FASTLN_T *x, int64_t n_cols, double *
     return 1;
 }
 
-/* rstd of a row whose squares leave double's range, from its deviations around `mean` scaled by
- * the power of two 2^exponent that brings the largest into [0.5, 1). ldexp scales exactly, also
- * by powers of two beyond double's range (a subnormal spread needs up to 2^1074). Returns
- * rstd * 2^-exponent; *exponent_out gets the exponent, whose rstd itself may be beyond double
- * (eps = 0 and a spread below ~1e-308). var_out gets the scaled variance (0 only for a constant
- * row), residual_out the mean of x - mean (0 for a constant row, NaN where x - mean is beyond
- * double). Rare: plain loops in a fixed order. */
-static double FASTLN_NAME(ln_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, double mean,
-                                            double eps, double *var_out, int *exponent_out,
-                                            double *residual_out)
+/* The power of two the rare paths compute a row's deviations under: 2^-2 for a row holding a
+ * value of magnitude 2^1022 or more, whose x - mean can pass DBL_MAX (values of both signs near
+ * it), 2^0 otherwise (scaling a subnormal would lose its digits). */
+static int FASTLN_NAME(ln_prescale)(const FASTLN_T *x, int64_t n_cols)
+{
+    for (int64_t j = 0; j < n_cols; j++)
+        if (fabs(FASTLN_NAME(to_double)(x[j])) >= 0x1p1022) return -2;
+    return 0;
+}
+
+/* The statistics of a row whose squares (or deviations) leave double's range, from its
+ * deviations (fastln_ln_deviation) scaled by the power of two 2^-e that brings the largest into
+ * [0.5, 1). ldexp scales exactly, also by powers of two beyond double's range (a subnormal
+ * spread needs up to 2^1074). Sets stats->var (the scaled variance, 0 only for a constant row),
+ * ->center (the scaled deviations' mean: the rounding of the mean, which for subnormal spreads is
+ * no smaller than the spread itself; NaN where the deviations are beyond double), ->exponent
+ * (rstd = rstd_scaled * 2^exponent may be beyond double: eps = 0 and a spread below ~1e-308)
+ * and ->rstd_scaled. Rare: plain loops in a fixed order. */
+static void FASTLN_NAME(ln_rescaled_statistics)(const FASTLN_T *x, int64_t n_cols, double eps,
+                                                fastln_ln_stats *stats)
 {
     double largest = 0.0;
     for (int64_t j = 0; j < n_cols; j++)
-        largest = fmax(largest, fabs(FASTLN_NAME(to_double)(x[j]) - mean));
-    *var_out = 0.0;
-    *exponent_out = 0;
-    *residual_out = isinf(largest) ? NAN : 0.0;
-    if (!(largest > 0.0) || isinf(largest)) return 1.0 / sqrt(eps); /* constant row; or beyond */
-    int exponent;
-    frexp(largest, &exponent);
+        largest = fmax(largest, fabs(fastln_ln_deviation(FASTLN_NAME(to_double)(x[j]), stats)));
+    stats->var = 0.0;
+    stats->exponent = stats->prescale;
+    stats->center = isinf(largest) ? NAN : 0.0;
+    stats->rstd_scaled = 1.0 / sqrt(eps);
+    if (!(largest > 0.0) || isinf(largest)) { /* constant row; or beyond */
+        stats->exponent = 0;
+        return;
+    }
+    int e;
+    frexp(largest, &e);
     double sum = 0.0, sumsq = 0.0;
     for (int64_t j = 0; j < n_cols; j++) {
-        const double d = ldexp(FASTLN_NAME(to_double)(x[j]) - mean, -exponent);
+        const double d = ldexp(fastln_ln_deviation(FASTLN_NAME(to_double)(x[j]), stats), -e);
         sum += d;
         sumsq += d * d;
     }
-    const double mean_scaled = sum / (double)n_cols;
-    *residual_out = ldexp(mean_scaled, exponent);
-    double var = sumsq / (double)n_cols - mean_scaled * mean_scaled;
+    const double center = sum / (double)n_cols;
+    double var = sumsq / (double)n_cols - center * center;
     if (var < 0.0) var = 0.0;
-    *var_out = var;
-    /* 1 / sqrt(var * 4^exponent + eps) = 2^-exponent / sqrt(var + eps * 4^-exponent). Where
-     * eps * 4^-exponent passes DBL_MAX, it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
-    const double eps_scaled = ldexp(eps, -2 * exponent);
-    if (eps_scaled > DBL_MAX) return 1.0 / sqrt(eps);
-    *exponent_out = -exponent;
-    return 1.0 / sqrt(var + eps_scaled);
+    /* The true deviations are the scaled ones times 2^scale, so
+     * 1 / sqrt(var * 4^scale + eps) = 2^-scale / sqrt(var + eps * 4^-scale). Where
+     * eps * 4^-scale passes DBL_MAX, it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
+    const int scale = e - stats->prescale;
+    const double eps_scaled = ldexp(eps, -2 * scale);
+    stats->var = var;
+    if (eps_scaled > DBL_MAX) {
+        stats->center = ldexp(center, scale); /* in the units of exponent 0 */
+        stats->exponent = 0;
+        return;
+    }
+    stats->center = center;
+    stats->exponent = -scale;
+    stats->rstd_scaled = 1.0 / sqrt(var + eps_scaled);
 }
 
 /* One row's statistics (fastln_ln_stats), as the forward takes them and the backward's rare path
@@ -117,7 +137,7 @@ static double FASTLN_NAME(ln_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, d
  * (the two terms of the variance cancel by more than FASTLN_MAX_CANCELLATION) is summed again
  * around the mean. A row of finite values whose sums around x[0] overflow (float64 values near
  * DBL_MAX, of both signs) is centred on its mean instead, with every sum taken on scaled values;
- * so is a row whose squares overflow or underflow double. */
+ * so is a row whose squares overflow or underflow double (ln_rescaled_statistics). */
 FASTLN_INLINE void FASTLN_NAME(ln_statistics)(const FASTLN_T *x, int64_t n_cols, double eps,
                                               fastln_ln_stats *stats)
 {
@@ -143,30 +163,32 @@ FASTLN_INLINE void FASTLN_NAME(ln_statistics)(const FASTLN_T *x, int64_t n_cols,
         var = sumsq_around_mean / n - mean_residual * mean_residual;
     }
     if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
-    double rstd = 1.0 / sqrt(var + eps);
-    double rstd_scaled = rstd;
-    int exponent = 0;
+    stats->shift = shift;
+    stats->mean_shifted = mean_shifted;
+    stats->mean = shift + mean_shifted;
+    stats->var = var;
+    stats->rstd = stats->rstd_scaled = 1.0 / sqrt(var + eps);
+    stats->exponent = stats->prescale = 0;
+    stats->center = 0.0;
+    stats->rare = 0;
     if ((isfinite(mean_shifted) && !isfinite(var)) || (var < FASTLN_TINY && eps < FASTLN_TINY)) {
         /* Squares that overflow (|x| beyond ~1e154) or underflow (spreads below ~1e-154, with
          * eps too small to matter) in double: take the statistics again on rescaled values.
          * NaN and Inf rows never come here (their mean_shifted is not finite). */
-        double residual;
-        rstd_scaled = FASTLN_NAME(ln_rescaled_rstd)(x, n_cols, shift + mean_shifted, eps, &var,
-                                                    &exponent, &residual);
-        if (wide) {
-            /* The mean's last digits; NaN where x - mean itself is beyond double, for which
-             * the row stays NaN as it was. */
-            mean_shifted = residual;
-            if (isnan(residual)) var = rstd_scaled = NAN;
-        }
-        rstd = ldexp(rstd_scaled, exponent); /* Inf when beyond double */
+        stats->prescale = FASTLN_NAME(ln_prescale)(x, n_cols);
+        FASTLN_NAME(ln_rescaled_statistics)(x, n_cols, eps, stats);
+        /* The mean of a row centred on its mean gets the deviations' mean, its last digits; a
+         * row whose deviations are beyond double stays NaN. */
+        if (wide) stats->mean = shift + ldexp(stats->center, stats->prescale - stats->exponent);
+        if (isnan(stats->center)) stats->var = stats->rstd_scaled = NAN;
+        stats->rstd = ldexp(stats->rstd_scaled, stats->exponent); /* Inf when beyond double */
+        /* The vector passes cannot take a non-constant row whose x_hat needs the scaled
+         * deviations: a deviation beyond double, an rstd beyond double, or a mean whose rounding
+         * the scaled deviations show above rounding noise (subnormal spreads). */
+        stats->rare = stats->var > 0.0
+                      && (stats->prescale != 0 || isinf(stats->rstd)
+                          || fabs(stats->center) > 0x1p-26);
     }
-    stats->shift = shift;
-    stats->mean_shifted = mean_shifted;
-    stats->var = var;
-    stats->rstd = rstd;
-    stats->rstd_scaled = rstd_scaled;
-    stats->exponent = exponent;
 }
 
 /* ---- RMSNorm: mean of squares ----------------------------------------------------------- */

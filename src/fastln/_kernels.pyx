@@ -93,6 +93,7 @@ cdef extern from "fastln/kernels.h" nogil:
         double *k
         double *mean_dy
         double *coef
+        double *dx_mean
         double *partials
         int64_t *finish
         int64_t *n_finish
@@ -406,6 +407,7 @@ cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
     call.gamma = <const double*>_data(gamma)
     call.beta = call.running_mean = call.running_var = NULL
     call.dgamma_out = call.dbeta_out = NULL
+    call.dx_mean = NULL
     fastln_bn_layout(call, FASTLN_MAX_BLOCKS)
 
 
@@ -482,9 +484,9 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.var = NULL
     call.dgamma_out = cnp.PyArray_DATA(dgamma)
     call.dbeta_out = cnp.PyArray_DATA(dbeta)
-    # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, then the rare features'
-    # indices and their count
-    cdef double *scratch = <double*>calloc(9 * n_features + 1, sizeof(double))
+    # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, dx_mean, then the rare
+    # features' indices and their count
+    cdef double *scratch = <double*>calloc(10 * n_features + 1, sizeof(double))
     call.partials = <double*>calloc(3 * call.n_blocks * n_features, sizeof(double))
     if scratch == NULL or call.partials == NULL:
         free(scratch)
@@ -498,8 +500,9 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.k = _features(scratch, n_features, 5)
     call.mean_dy = _features(scratch, n_features, 6)
     call.coef = _features(scratch, n_features, 7)
-    call.finish = <int64_t*>_features(scratch, n_features, 8)
-    call.n_finish = <int64_t*>_features(scratch, n_features, 9)
+    call.dx_mean = _features(scratch, n_features, 8)
+    call.finish = <int64_t*>_features(scratch, n_features, 9)
+    call.n_finish = <int64_t*>_features(scratch, n_features, 10)
     cdef int64_t n_elements = n_outer * n_features * n_inner
     with nogil:
         _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), &call, call.n_blocks * call.n_chunks,
