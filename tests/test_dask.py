@@ -3,6 +3,8 @@
 The forward and dx are bitwise fastln's on the whole array (batch invariance); dgamma/dbeta are
 deterministic tree sums that agree with fastln to rounding.
 """
+import os
+
 import numpy as np
 import pytest
 from conftest import assert_bitwise_equal, assert_close
@@ -155,8 +157,11 @@ def test_larger_than_memory_recipe_with_zarr(tmp_path, rng):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["threads", "processes"])
 def cluster_client(request):
-    """A LocalCluster of two single-threaded workers talking TCP over loopback only."""
+    """A LocalCluster of two single-threaded workers talking TCP over loopback only. Its nannies
+    set MKL_NUM_THREADS and the like in this process's environment (for the workers they
+    spawn); the environment is restored after, so later tests' subprocesses do not inherit them."""
     distributed = pytest.importorskip("distributed")
+    environment = dict(os.environ)
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1,
                                        processes=request.param, protocol="tcp",
                                        host="127.0.0.1", dashboard_address=None,
@@ -167,6 +172,8 @@ def cluster_client(request):
     finally:
         client.close(timeout=TIMEOUT)
         cluster.close(timeout=TIMEOUT)
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def test_local_cluster(cluster_client, rng):

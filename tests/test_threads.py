@@ -1,9 +1,11 @@
 """fastln's thread controls: set_num_threads / get_num_threads / num_threads(n), threadpoolctl.
 
-fastln's default thread count is OpenMP's own setting, so fastln.set_num_threads, threadpoolctl
-and OMP_NUM_THREADS all act on the same number. The threadpoolctl tests run in a fresh
-interpreter, where nothing but fastln has loaded an OpenMP runtime and no OpenMP thread exists
-yet, so they can count the threads the runtime really starts (Linux: /proc/self/task).
+fastln's default thread count is its own setting, apart from the OpenMP runtime's (which PyTorch
+uses): fastln.set_num_threads and the runtime's setting never change each other, while
+threadpoolctl sees and limits both (fastln registers a controller for itself) and
+OMP_NUM_THREADS starts both. The tests that need a clean process run in a fresh interpreter,
+where nothing but fastln has loaded an OpenMP runtime and no OpenMP thread exists yet, so they
+can count the threads the runtime really starts (Linux: /proc/self/task).
 """
 import json
 import os
@@ -53,7 +55,12 @@ def test_context_manager_restores_also_on_error():
     assert fastln.get_num_threads() == previous
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None, 2**31, 2**40])
+BAD_COUNTS = {"zero": 0, "negative": -1, "float": 1.5, "bool": True, "str": "2", "none": None,
+              "2**31": 2**31, "2**40": 2**40, "10**5000": 10**5000,
+              "timedelta64": np.timedelta64(2), "numpy_bool": np.bool_(True)}
+
+
+@pytest.mark.parametrize("bad", BAD_COUNTS.values(), ids=BAD_COUNTS.keys())
 def test_bad_counts_are_a_value_error_and_change_nothing(bad):
     previous = fastln.get_num_threads()
     with pytest.raises(ValueError, match="num_threads must be a positive int"):
@@ -82,7 +89,7 @@ def test_setting_is_per_thread_like_openmp():
         worker = threading.Thread(target=lambda: seen.append(fastln.get_num_threads()))
         worker.start()
         worker.join()
-    # A new thread starts from OpenMP's initial value (OMP_NUM_THREADS or the core count).
+    # A new thread starts from the initial value (OMP_NUM_THREADS or the processor count).
     assert seen and seen[0] != previous + 2
 
 
@@ -111,11 +118,16 @@ FRESH_PROCESS = textwrap.dedent("""
     def os_threads():
         return len(os.listdir("/proc/self/task"))
 
+    def runtime_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["internal_api"] == "openmp"]
+
     before = openmp_libraries()
     import fastln
     after = openmp_libraries()
     x = np.random.default_rng(0).standard_normal((1024, 512)).astype(np.float32)
-    result = {"new_libraries": sorted(after - before), "default": fastln.get_num_threads()}
+    result = {"new_libraries": sorted(after - before), "default": fastln.get_num_threads(),
+              "fastln_entries": [i["num_threads"] for i in threadpool_info()
+                                 if i["internal_api"] == "fastln"]}
     with threadpool_limits(limits=1, user_api="openmp"):
         result["limited"] = fastln.get_num_threads()
         start = os_threads()
@@ -124,6 +136,14 @@ FRESH_PROCESS = textwrap.dedent("""
         fastln.layer_norm(x, num_threads=3)        # an explicit count wins
         result["threads_started_by_explicit_call"] = os_threads() - start
     result["restored"] = fastln.get_num_threads()
+    fastln.set_num_threads(1)  # fastln's setting alone: the runtime's stays ...
+    result["runtime_after_fastln_set"] = runtime_threads()
+    with threadpool_limits(limits=1, user_api="openmp"):
+        pass
+    from threadpoolctl import ThreadpoolController
+    fastln.set_num_threads(2)
+    ThreadpoolController().select(internal_api="openmp").limit(limits=1)  # ... and the other way
+    result["fastln_after_runtime_set"] = fastln.get_num_threads()
     print(json.dumps(result))
 """)
 
@@ -139,13 +159,58 @@ def test_threadpoolctl_limits_fastln_in_a_fresh_process():
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    # Importing fastln loads an OpenMP runtime that threadpoolctl finds ...
-    assert len(result["new_libraries"]) == 1
-    assert "gomp" in result["new_libraries"][0] or "omp" in result["new_libraries"][0]
-    assert result["default"] == 2
+    # Importing fastln loads an OpenMP runtime that threadpoolctl finds, and fastln's entry ...
+    runtimes = [path for path in result["new_libraries"] if "_kernels" not in path]
+    assert len(runtimes) == 1 and "omp" in runtimes[0]
+    assert len(result["new_libraries"]) == 2
+    assert result["default"] == 2 and result["fastln_entries"] == [2]
     # ... and limiting it limits fastln's default: no OpenMP thread is started ...
     assert result["limited"] == 1
     assert result["threads_started_by_default_call"] == 0
     # ... while num_threads=3 on a call still gets its team of three (two new threads).
     assert result["threads_started_by_explicit_call"] == 2
     assert result["restored"] == 2
+    # ... and fastln's setting and the runtime's leave each other alone.
+    assert result["runtime_after_fastln_set"] == [2]
+    assert result["fastln_after_runtime_set"] == 2
+
+
+@needs_openmp
+@pytest.mark.parametrize("value, expected", [("3", 3), ("3,2", 3), (" 1 ", 1), ("0", None),
+                                             ("abc", None), ("", None), ("\u0663", None)])
+def test_the_initial_default_follows_omp_num_threads(value, expected):
+    env = dict(os.environ, OMP_NUM_THREADS=value)
+    script = "import fastln; print(fastln.get_num_threads(), fastln._kernels.num_procs())"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    default, procs = map(int, done.stdout.split())
+    assert default == (procs if expected is None else expected)
+
+
+TORCH_AND_FASTLN = textwrap.dedent("""
+    import json
+    import torch
+    import fastln
+    result = {"start": [torch.get_num_threads(), fastln.get_num_threads()]}
+    torch.set_num_threads(1)
+    result["torch_set"] = [torch.get_num_threads(), fastln.get_num_threads()]
+    torch.set_num_threads(2)
+    fastln.set_num_threads(1)
+    torch.ones(1000, 1000).sum()  # a parallel torch call after fastln's setting
+    result["fastln_set"] = [torch.get_num_threads(), fastln.get_num_threads()]
+    print(json.dumps(result))
+""")
+
+
+@needs_openmp
+def test_pytorch_and_fastln_keep_their_own_settings():
+    pytest.importorskip("torch")
+    # torch's own count also follows MKL_NUM_THREADS: the child starts without it.
+    env = {name: value for name, value in os.environ.items() if name != "MKL_NUM_THREADS"}
+    env["OMP_NUM_THREADS"] = "2"
+    done = subprocess.run([sys.executable, "-c", TORCH_AND_FASTLN], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"start": [2, 2], "torch_set": [1, 2], "fastln_set": [2, 1]}

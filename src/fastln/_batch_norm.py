@@ -141,7 +141,7 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
     out : ndarray, optional
         C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
     num_threads : int, optional
-        OpenMP threads; None uses OpenMP's default (``OMP_NUM_THREADS``).
+        OpenMP threads; None uses fastln's default (``fastln.get_num_threads()``).
 
     Returns
     -------

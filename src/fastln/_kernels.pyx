@@ -26,9 +26,11 @@ from libc.stdlib cimport calloc, free
 cimport numpy as cnp
 
 from fastln._openmp cimport (
+    fastln_get_num_threads,
     fastln_openmp_enabled,
-    fastln_openmp_max_threads,
-    fastln_openmp_set_max_threads,
+    fastln_openmp_num_procs,
+    fastln_set_initial_threads,
+    fastln_set_num_threads,
     fastln_thread_cap,
     fastln_watch_for_fork,
 )
@@ -164,8 +166,18 @@ def openmp_enabled():
 
 
 def default_num_threads():
-    """OpenMP's default team size (honours OMP_NUM_THREADS), capped; 1 without OpenMP."""
-    return min(fastln_openmp_max_threads(), fastln_thread_cap())
+    """The calling thread's default team size (fastln/threads.h), capped; 1 without OpenMP."""
+    return min(fastln_get_num_threads(), fastln_thread_cap())
+
+
+def num_procs():
+    """The processors this process may run on, as OpenMP counts them (1 without OpenMP)."""
+    return fastln_openmp_num_procs()
+
+
+def set_initial_num_threads(int num_threads):
+    """The default of every thread that has not set its own (fastln._threads, at import)."""
+    fastln_set_initial_threads(num_threads)
 
 
 def thread_cap():
@@ -174,8 +186,8 @@ def thread_cap():
 
 
 def set_default_num_threads(int num_threads):
-    """Set the calling thread's OpenMP default team size (fastln.set_num_threads)."""
-    fastln_openmp_set_max_threads(num_threads)
+    """Set the calling thread's default team size (fastln.set_num_threads)."""
+    fastln_set_num_threads(num_threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,7 +712,7 @@ cdef inline bint _fast_rows(object x, object num_threads, _FastRows *rows):
     rows.param_typenum = cnp.NPY_FLOAT64 if rows.storage == FASTLN_FLOAT64 else cnp.NPY_FLOAT32
     rows.n_cols = cnp.PyArray_DIM(array, rows.ndim - 1)
     if num_threads is None:
-        rows.threads = min(fastln_openmp_max_threads(), fastln_thread_cap())
+        rows.threads = min(fastln_get_num_threads(), fastln_thread_cap())
     elif type(num_threads) is int and 1 <= num_threads <= fastln_thread_cap():
         rows.threads = <int>num_threads
     else:

@@ -181,7 +181,7 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
     out : ndarray, optional
         C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
     num_threads : int, optional
-        OpenMP threads; None uses OpenMP's default (``OMP_NUM_THREADS``).
+        OpenMP threads; None uses fastln's default (``fastln.get_num_threads()``).
 
     Returns
     -------
@@ -310,7 +310,7 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     out : ndarray, optional
         C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
     num_threads : int, optional
-        OpenMP threads; None uses OpenMP's default (``OMP_NUM_THREADS``). Results are
+        OpenMP threads; None uses fastln's default (``fastln.get_num_threads()``). Results are
         identical for every value.
 
     Returns
