@@ -148,6 +148,25 @@ def test_momentum_extremes(rng, momentum):
         assert_close(running_var, x.var(axis=0))
 
 
+@pytest.mark.parametrize("module", [fastln, reference], ids=["fastln", "reference"])
+def test_a_term_of_weight_zero_is_left_out(module):
+    """momentum = 0 replaces running statistics that are not finite; momentum = 1 keeps them
+    next to batch statistics that are not (an Inf in x, a variance beyond float64)."""
+    x = np.array([[0.0, 1e300, np.inf], [2.0, -1e300, 1.0], [4.0, 1e300, 2.0]])
+    running_mean = np.array([np.inf, np.nan, 1.0])
+    running_var = np.array([np.inf, np.nan, 2.0])
+    module.batch_norm(x, running_mean=running_mean, running_var=running_var, training=True,
+                      momentum=0.0)
+    np.testing.assert_array_equal(running_mean[:2], [2.0, 1e300 / 3])
+    np.testing.assert_allclose(running_var[:2], [8 / 3, np.inf])
+    assert not np.isfinite(running_mean[2]) and np.isnan(running_var[2])  # the batch's
+    running_mean, running_var = np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0, 6.0])
+    module.batch_norm(x, running_mean=running_mean, running_var=running_var, training=True,
+                      momentum=1.0)
+    np.testing.assert_array_equal(running_mean, [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(running_var, [4.0, 5.0, 6.0])
+
+
 @pytest.mark.parametrize("running_dtype", [np.float32, np.float64, ">f8"])
 def test_running_statistics_any_float_dtype_and_strides(rng, running_dtype):
     x = random_input(rng, (25, 5), np.float64)

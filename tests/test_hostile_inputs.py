@@ -1333,10 +1333,12 @@ def compare_batch_norm(result, expected, call):
                            ignore=ignore[:, None])
     # The running statistics, updated in place in training mode (in their own dtype): the
     # reference's update, momentum * old + (1 - momentum) * batch statistic, a sum of terms
-    # each at most about |new| + max|x| (max|x|**2 for the variance) in size. momentum = 1
-    # gives the batch variance weight 0 also where it is beyond float64 (inf here, once scaled
-    # back; finite in the reference's scaled arithmetic; fastln's documented rule). An Inf in
-    # x makes the batch mean inf and the variance NaN, and both updates NaN, in both.
+    # each at most about |new| + max|x| (max|x|**2 for the variance) in size. A term of weight 0
+    # is left out whatever its value (fastln's documented rule): momentum = 1 keeps the old
+    # values, also next to a batch variance beyond float64 (inf here, once scaled back; finite
+    # in the reference's scaled arithmetic) or an Inf in x; momentum = 0 takes the batch's.
+    # Otherwise an Inf in x makes the batch mean inf and the variance NaN, and both updates
+    # NaN, in both.
     if training and "running_mean" in call.kwargs:
         momentum = float(call.kwargs["momentum"])
         size = finite_max(columns, axis=1) / expected.scale
@@ -1345,10 +1347,8 @@ def compare_batch_norm(result, expected, call):
             old = np.asarray(expected.call.info["drawn_running"][index], np.float64)
             batch = expected.values["batch_" + name]
             with np.errstate(all="ignore"):
-                weighted = (1.0 - momentum) * batch
-                if momentum == 1.0 and name == "running_var":
-                    weighted = np.where(np.isinf(batch), 0.0, weighted)
-                desired = momentum * old + weighted
+                desired = (old if momentum == 1.0 else batch if momentum == 0.0
+                           else momentum * old + (1.0 - momentum) * batch)
                 terms = np.abs(desired) + 2 * size ** power
             rtol, atol = tolerance(actual.dtype)
             allowed = (rtol * np.abs(desired) + atol * terms

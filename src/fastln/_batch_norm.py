@@ -32,17 +32,18 @@ FLOAT64 = np.dtype(np.float64)
 # ---------------------------------------------------------------------------------------------
 
 def update_running(running, momentum, batch_stat):
-    """running = momentum * running + (1 - momentum) * batch_stat, in float64, in place."""
-    running[...] = momentum * running.astype(FLOAT64) + (1.0 - momentum) * batch_stat
+    """running = momentum * running + (1 - momentum) * batch_stat, in float64, in place.
 
-
-def update_running_var(running_var, momentum, batch_var):
-    """update_running for the variance, whose batch value may be inf for finite x (a spread
-    beyond ~1e154; Inf in x gives NaN instead): momentum = 1 gives it weight 0, and 0 * inf
-    would make running_var NaN where momentum = 1 leaves it as it is."""
+    A term of weight 0 is left out whatever its value (0 * inf would be NaN): momentum = 1
+    keeps running as it is, also where the batch statistic is inf (a variance beyond float64)
+    or NaN; momentum = 0 replaces it by the batch statistic, also where the old value is not
+    finite."""
     if momentum == 1.0:
-        batch_var = np.where(np.isinf(batch_var), 0.0, batch_var)
-    update_running(running_var, momentum, batch_var)
+        return
+    if momentum == 0.0:
+        running[...] = batch_stat
+        return
+    running[...] = momentum * running.astype(FLOAT64) + (1.0 - momentum) * batch_stat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +82,7 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
         rstd[...] = 1.0 / np.sqrt(running_var + eps)
     if training and running_mean is not None and n_features > 0:
         update_running(running_mean, momentum, mean)
-        update_running_var(running_var, momentum, var)
+        update_running(running_var, momentum, var)
     result = y if out is None else out  # y is a plain view of a subclass's out: return out
     if not keep_cache:
         return result

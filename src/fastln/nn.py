@@ -46,7 +46,7 @@ from collections import namedtuple
 import numpy as np
 
 import fastln
-from fastln._batch_norm import update_running, update_running_var
+from fastln._batch_norm import update_running
 from fastln._checks import (
     as_array,
     check_eps,
@@ -615,7 +615,7 @@ class BatchNorm(_Layer):
                                                  **common)
             batch_var *= values_per_feature / (values_per_feature - 1)
             update_running(running_mean, momentum, batch_mean)
-            update_running_var(running_var, momentum, batch_var)
+            update_running(running_var, momentum, batch_var)
         self.num_batches_tracked[...] = count
         return y, cache
 

@@ -447,16 +447,18 @@ def _centred(column, centre):
         return _ldexp(column, k) - _ldexp(centre, k), k
 
 
-def _moving_average(alpha, running, batch, is_variance=False):
+def _moving_average(alpha, running, batch):
     """alpha * running + (1 - alpha) * batch in float64: alpha weighs the old value (momentum).
 
-    With alpha = 1 a batch variance beyond float64 (inf) has weight 0, as in fastln: 0 * inf
-    would make running_var NaN where momentum = 1 keeps it as it is."""
+    A term of weight 0 is left out whatever its value, as 0 * inf would be NaN: alpha = 1
+    keeps the running value (also next to a batch variance beyond float64, inf), alpha = 0
+    takes the batch's (also in place of an old value that is not finite)."""
+    if alpha == 1:
+        return running.astype(np.float64)
+    if alpha == 0:
+        return np.asarray(batch, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        weighted = (1 - alpha) * batch
-        if alpha == 1 and is_variance:
-            weighted = np.where(np.isinf(batch), 0.0, weighted)
-        return alpha * running.astype(np.float64) + weighted
+        return alpha * running.astype(np.float64) + (1 - alpha) * batch
 
 
 def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis, out,
@@ -494,7 +496,7 @@ def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, e
 
     if training and running_mean is not None:  # exponential moving averages, alpha on the old
         running_mean[...] = _moving_average(alpha, running_mean, means)
-        running_var[...] = _moving_average(alpha, running_var, batch_vars, is_variance=True)
+        running_var[...] = _moving_average(alpha, running_var, batch_vars)
 
     result = _write_out(_cast(_from_feature_columns(Y, x.shape, axis), dtype), out)
     return result, BatchNormCache(x, means, std_invs, axis, eps, training, dtype)
