@@ -1,6 +1,6 @@
 """fastln.batch_norm / batch_norm_forward / batch_norm_backward: per-feature statistics over the
-batch, running statistics (momentum = the lesson's alpha, weight of the OLD value), training and
-evaluation modes. Held to fastln.reference, the lesson's formulas, PyTorch (momentum converted)
+batch, running statistics (momentum = the weight of the OLD value), training and evaluation
+modes. Held to fastln.reference, the defining formulas, PyTorch (momentum converted)
 and the usual promises (determinism across threads, large offsets, layouts, clear errors)."""
 import math
 
@@ -86,8 +86,8 @@ def test_matches_reference(rng, shape, axis, dtype, training, layout, num_thread
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lesson_formulas(rng, dtype):
-    """Section 8.2: batch mean, biased variance, x_hat, gamma/beta, running averages."""
+def test_the_defining_formulas(rng, dtype):
+    """Batch mean, biased variance, x_hat, gamma/beta, running averages, written out."""
     x = random_input(rng, (50, 6), dtype, offset=5.0)
     gamma, beta = random_params(rng, (6,), dtype)
     running_mean, running_var = _running(rng, 6)
@@ -643,7 +643,7 @@ def test_matches_torch(rng, shape, dtype, training):
     assert_close(dbeta, beta_t.grad.numpy())
     assert_close(running_mean, running_mean_t.numpy())
     if training:
-        # PyTorch folds the unbiased variance into running_var; fastln the biased one (lesson)
+        # PyTorch folds the unbiased variance into running_var; fastln the biased one
         m = x.size // n_features
         batch_var = x.astype(np.float64).swapaxes(0, 1).reshape(n_features, -1).var(axis=1)
         torch_expected = momentum * old_var + (1 - momentum) * batch_var * m / (m - 1)

@@ -430,5 +430,6 @@ def test_settle_allocator_serves_new_arrays_without_page_faults():
                               capture_output=True, text=True)
         return int(done.stdout)
 
-    assert faults("fresh") >= 200  # 256 pages of 4 KiB
+    # 256 pages of 4 KiB: ~216 faults here, once 194 (the kernel maps some pages ahead)
+    assert faults("fresh") >= 128
     assert faults("settled") < 50

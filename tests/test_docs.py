@@ -334,8 +334,13 @@ def test_python_blocks_run_as_written(code, tmp_path):
 
 
 @pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-                                  *sorted((ROOT / "examples").glob("*.py"))],
-                         ids=lambda path: path.name)
+                                  *sorted((ROOT / "examples").glob("*.py")),
+                                  *sorted((ROOT / "src" / "fastln").rglob("*.py")),
+                                  *sorted((ROOT / "src" / "fastln").rglob("*.pyx")),
+                                  *sorted((ROOT / "include" / "fastln").glob("*.h")),
+                                  *sorted(path for path in (ROOT / "tests").glob("*.py")
+                                          if path.name != "test_docs.py")],
+                         ids=lambda path: str(path.relative_to(ROOT)))
 def test_no_reference_to_teaching_material_outside_the_repository(path):
     assert "lesson" not in path.read_text().lower()
 

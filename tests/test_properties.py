@@ -1,5 +1,5 @@
 """Property tests (hypothesis) against the reference, a finite-difference gradient check, and the
-lessons' worked examples and invariances."""
+worked examples and invariances of the definition."""
 import math
 
 import numpy as np
@@ -131,14 +131,14 @@ def test_row_alone_equals_row_in_batch(problem, data):
 
 
 # --------------------------------------------------------------------------------------------
-# The lessons' worked examples
+# Worked examples
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("impl", sorted(FUNCS))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
 @pytest.mark.parametrize("x", [[10, 20, 60], [100, 200, 600], [1010, 1020, 1060]])
 def test_worked_example_10_20_60(impl, dtype, x):
-    """Lesson: x = [10, 20, 60] -> x_hat = [-0.9258, -0.4629, 1.3887]; multiplying by 10 or adding
+    """x = [10, 20, 60] -> x_hat = [-0.9258, -0.4629, 1.3887]; multiplying by 10 or adding
     1000 does not move it (to four decimals)."""
     y = FUNCS[impl].layer_norm(np.array(x, dtype))
     np.testing.assert_array_almost_equal(y, [-0.9258, -0.4629, 1.3887], decimal=4)
@@ -148,7 +148,7 @@ def test_worked_example_10_20_60(impl, dtype, x):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("x", [[2, 4, 4, 6], [16, 22, 22, 28]])
 def test_worked_example_2_4_4_6(impl, dtype, x):
-    """Lesson: x = [2, 4, 4, 6] (and 3x + 10 = [16, 22, 22, 28]) -> x_hat = [-1.41419, 0, 0,
+    """x = [2, 4, 4, 6] (and 3x + 10 = [16, 22, 22, 28]) -> x_hat = [-1.41419, 0, 0,
     1.41419] to four decimals; with gamma = [0.5, 0.5, 2, 2] and beta = [1, 1, -1, -1],
     y = gamma * x_hat + beta."""
     lib = FUNCS[impl]

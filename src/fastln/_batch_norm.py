@@ -1,6 +1,6 @@
 """fastln.batch_norm and its forward/backward pair: checking here, arithmetic in the kernels.
 
-BatchNorm (the lesson's section 8.2) is LayerNorm with the reduction axis transposed: one mean
+BatchNorm is LayerNorm with the reduction axis transposed: one mean
 and (biased, population) variance per feature, over every other axis of x. In training mode it
 normalizes with those batch statistics and folds them into the running statistics; in
 evaluation mode it normalizes with the running statistics.
@@ -98,12 +98,12 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
     other axis of x. ``axis=-1`` suits (N, C) activations, ``axis=1`` NCHW images.
 
     - ``training=True`` normalizes with the batch statistics. When running_mean and running_var
-      are given they are then updated in place, as the lesson writes it (section 8.2.3)::
+      are given they are then updated in place, as exponential moving averages::
 
           running_mean = momentum * running_mean + (1 - momentum) * batch_mean
           running_var  = momentum * running_var  + (1 - momentum) * batch_var   # biased
 
-      ``momentum`` weighs the OLD value (the lesson's alpha, Keras' momentum). PyTorch's
+      ``momentum`` weighs the OLD value (Keras' momentum). PyTorch's
       ``momentum`` weighs the new one and its running_var takes the unbiased (m - 1) variance:
       ``torch_momentum = 1 - momentum``. A batch of one value per feature is allowed: its
       variance is 0, so y is ``beta`` (and the running variance decays towards 0).
@@ -199,7 +199,7 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """Gradients of :func:`batch_norm_forward` with respect to x, gamma and beta.
 
     Training mode goes through the batch statistics: per feature, over its m values, with
-    ``x_hat = (x - mean) * rstd`` and ``dx_hat = dy * gamma``, the lesson's two-reduction
+    ``x_hat = (x - mean) * rstd`` and ``dx_hat = dy * gamma``, LayerNorm's two-reduction
     identity down the batch axis::
 
         dx = rstd / m * (m * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat))

@@ -153,7 +153,15 @@ def _run(implementation, inputs, num_threads):
 
 
 def _bitwise_same(first, second):
-    return all(a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    """The same bits in every element, a NaN matching any NaN: which NaN comes out where two
+    meet (their sign and payload) IEEE 754 leaves open, and it follows the code path an element
+    takes (vector or scalar, which the arrays' alignment decides), not the thread count."""
+    def canonical(array):
+        array = np.array(array, copy=True)
+        if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
+            array[np.isnan(array)] = np.nan
+        return array.tobytes()
+    return all(a.dtype == b.dtype and a.shape == b.shape and canonical(a) == canonical(b)
                for a, b in zip(first, second))
 
 
@@ -248,7 +256,8 @@ NOTES = (
     "and the same in units in the last place of the output format at the row's (batch norm: "
     "the feature's) largest exact value (at 1 where that is 0).",
     "NaN: the implementation returned NaN where the exact result is a number. 1T!=2T: its "
-    "result with 2 threads differs bitwise from its result with 1 (NumPy has no threads: no "
+    "result with 2 threads differs bitwise from its result with 1, a NaN matching any NaN "
+    "(IEEE 754 leaves open which of two NaNs an operation returns; NumPy has no threads: no "
     "mark). error: it could not compute the case (the message is in the JSON).",
     "numpy-naive: x.mean, x.var and broadcasting in the input's dtype (float16 in float32 on "
     "a converted copy). ONNX Runtime has no backward ops.",
