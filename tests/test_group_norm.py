@@ -521,3 +521,79 @@ def test_backward_errors(module):
     with pytest.raises(ValueError, match="instance_norm_backward needs the cache of "
                                          "instance_norm_forward"):
         module.instance_norm_backward(np.ones((2, 4)), fastln.rms_norm_forward(np.ones((2, 4)))[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# fastln.nn and fastln.torch
+# ---------------------------------------------------------------------------------------------
+
+def test_nn_layers_load_torch_state_dicts():
+    torch = pytest.importorskip("torch", reason="loading torch state dicts needs torch")
+    import fastln.nn
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 5, 4)
+    dy = np.random.default_rng(19).standard_normal(tuple(x.shape)).astype(np.float32)
+    for theirs, ours in ((torch.nn.GroupNorm(3, 6), fastln.nn.GroupNorm(3, 6)),
+                         (torch.nn.InstanceNorm2d(6, affine=True),
+                          fastln.nn.InstanceNorm(6, affine=True))):
+        with torch.no_grad():
+            theirs.weight.normal_()
+            theirs.bias.normal_()
+        ours.load_state_dict({k: v.numpy() for k, v in theirs.state_dict().items()})
+        x_t = x.clone().requires_grad_()
+        y_t = theirs(x_t)
+        y_t.backward(torch.from_numpy(dy))
+        assert_close(ours(x.numpy()), y_t.detach().numpy(), dtype=np.float32)
+        assert_close(ours.backward(dy), x_t.grad.numpy(), dtype=np.float32)
+        assert_close(ours.weight_grad, theirs.weight.grad.numpy(), atol=1e-5, scale=40)
+        assert_close(ours.bias_grad, theirs.bias.grad.numpy(), atol=1e-5, scale=40)
+    plain = fastln.nn.InstanceNorm(6)
+    assert plain.weight is None and plain.state_dict() == {}
+    assert_close(plain(x.numpy()), torch.nn.functional.instance_norm(x).numpy())
+    with pytest.raises(ValueError, match="num_groups must be a positive int dividing"):
+        fastln.nn.GroupNorm(4, 6)
+    with pytest.raises(ValueError, match=r"expects x.shape\[1\] = 6"):
+        fastln.nn.GroupNorm(3, 6)(np.ones((2, 5, 3)))
+    layer = fastln.nn.GroupNorm(2, 4, channel_axis=-1)
+    x_last = np.random.default_rng(20).standard_normal((2, 3, 4)).astype(np.float32)
+    assert_bitwise_equal(layer(x_last), fastln.group_norm(x_last, 2, np.ones(4, np.float32),
+                                                          np.zeros(4, np.float32),
+                                                          channel_axis=-1))
+
+
+@pytest.mark.parametrize("memory_format", ["contiguous_format", "channels_last"])
+def test_torch_drop_in(memory_format):
+    torch = pytest.importorskip("torch", reason="fastln.torch needs torch")
+    import fastln.torch
+
+    torch.manual_seed(1)
+    x = (torch.randn(2, 8, 5, 6, dtype=torch.float64) * 3 + 2).contiguous(
+        memory_format=getattr(torch, memory_format)).requires_grad_()
+    theirs = torch.nn.GroupNorm(4, 8).double()
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.bias.normal_()
+    ours = fastln.torch.GroupNorm(4, 8).double()
+    ours.load_state_dict(theirs.state_dict())
+    assert isinstance(ours, torch.nn.GroupNorm)
+    dy = torch.randn(2, 8, 5, 6, dtype=torch.float64)
+    y_theirs = theirs(x)
+    y_theirs.backward(dy)
+    grad_theirs = x.grad.clone()
+    x.grad = None
+    y_ours = ours(x)
+    y_ours.backward(dy)
+    assert_close(y_ours.detach().numpy(), y_theirs.detach().numpy())
+    assert_close(x.grad.numpy(), grad_theirs.numpy())
+    assert_close(ours.weight.grad.numpy(), theirs.weight.grad.numpy())
+    assert_close(ours.bias.grad.numpy(), theirs.bias.grad.numpy())
+    model = fastln.torch.patch(torch.nn.Sequential(torch.nn.GroupNorm(2, 4)))
+    assert type(model[0]) is fastln.torch.GroupNorm
+    assert type(fastln.torch.unpatch(model)[0]) is torch.nn.GroupNorm
+    kept = fastln.torch.patch(torch.nn.Sequential(torch.nn.GroupNorm(2, 4)), group_norm=False)
+    assert type(kept[0]) is torch.nn.GroupNorm
+    inputs = (torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True),
+              torch.randn(4, dtype=torch.float64, requires_grad=True),
+              torch.randn(4, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(lambda a, w, b: fastln.torch.group_norm(a, 2, w, b), inputs)
