@@ -221,14 +221,21 @@ def check_input(x, name="x"):
     return x, dtype
 
 
-def check_param(param, name, expected_shape, dtype):
-    """gamma/beta: None, or an array of exactly `expected_shape`, cast to `dtype` and flattened."""
-    if param is None:
-        return None
+def _real_array(param, name, dtype):
+    """A parameter as an array of a real floating, integer or bool dtype (TypeError naming it
+    otherwise); it is to be cast to `dtype`."""
     array = as_array(param, name)
     if array.dtype.kind not in "biuf" and not is_half(array.dtype):
         raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
                         f"floating, integer or bool array (it is cast to {dtype.name})")
+    return array
+
+
+def check_param(param, name, expected_shape, dtype):
+    """gamma/beta: None, or an array of exactly `expected_shape`, cast to `dtype` and flattened."""
+    if param is None:
+        return None
+    array = _real_array(param, name, dtype)
     if array.shape != tuple(expected_shape):
         raise ValueError(f"{name} has shape {array.shape}, expected x.shape[axis:] = "
                          f"{tuple(expected_shape)}")
@@ -308,11 +315,8 @@ def check_feature_param(param, name, n_features, dtype):
     output `dtype` (compute_dtype), as float64."""
     if param is None:
         return None
-    array = as_array(param, name)
     dtype = compute_dtype(dtype)
-    if array.dtype.kind not in "biuf" and not is_half(array.dtype):
-        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
-                        f"floating, integer or bool array (it is cast to {dtype.name})")
+    array = _real_array(param, name, dtype)
     if array.shape != (n_features,):
         raise ValueError(f"{name} has shape {array.shape}, expected (x.shape[axis],) = "
                          f"({n_features},)")
@@ -456,10 +460,7 @@ def check_channel_param(param, name, n_channels, dtype):
     """gamma/beta of GroupNorm: None, or shape (C,), cast to `dtype` (the parameter dtype)."""
     if param is None:
         return None
-    array = as_array(param, name)
-    if array.dtype.kind not in "biuf" and not is_half(array.dtype):
-        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
-                        f"floating, integer or bool array (it is cast to {dtype.name})")
+    array = _real_array(param, name, dtype)
     if array.shape != (n_channels,):
         raise ValueError(f"{name} has shape {array.shape}, expected (C,) = ({n_channels},), "
                          "one value per channel")
