@@ -205,3 +205,34 @@ def random_input(rng, shape, dtype, offset=0.0, scale=1.0):
 def rng(request):
     """A generator seeded from the test's node id: reproducible, different for every test."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def onnx_node_cases(module_name, class_name, seed=23):
+    """ONNX's own backend test cases of one operator, regenerated from onnx's case module
+    (onnx.backend.test.case.node.<module_name>): (name, inputs, outputs, attributes) each.
+    Skips when onnx is missing."""
+    pytest.importorskip("onnx", reason="ONNX's node cases need the onnx package")
+    import importlib
+
+    from onnx import helper
+
+    module = importlib.import_module(f"onnx.backend.test.case.node.{module_name}")
+    cases = []
+
+    def expect(node, inputs, outputs, name, **kwargs):
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        cases.append((name, inputs, outputs, attributes))
+
+    saved_expect = module.expect
+    state = np.random.get_state()
+    module.expect = expect
+    try:
+        np.random.seed(seed)
+        case_class = getattr(module, class_name)
+        for name in dir(case_class):
+            if name.startswith("export"):
+                getattr(case_class, name)()
+    finally:
+        module.expect = saved_expect
+        np.random.set_state(state)
+    return cases

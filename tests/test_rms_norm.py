@@ -14,6 +14,7 @@ from conftest import (
     assert_close,
     assert_output_array,
     make_layout,
+    onnx_node_cases,
     random_input,
     random_params,
 )
@@ -406,35 +407,8 @@ def test_matches_torch(rng, dtype, shape, axis):
     assert_close(dgamma, gamma_t.grad.numpy())
 
 
-def _onnx_rms_cases():
-    """ONNX's own RMSNormalization backend test cases, regenerated from onnx's case module."""
-    pytest.importorskip("onnx")
-    from onnx import helper
-    from onnx.backend.test.case.node import rmsnormalization
-
-    cases = []
-
-    def expect(node, inputs, outputs, name, **kwargs):
-        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        cases.append((name, inputs, outputs, attributes))
-
-    saved_expect = rmsnormalization.expect
-    state = np.random.get_state()
-    rmsnormalization.expect = expect
-    try:
-        np.random.seed(23)
-        case_class = rmsnormalization.RMSNormalization
-        for name in dir(case_class):
-            if name.startswith("export"):
-                getattr(case_class, name)()
-    finally:
-        rmsnormalization.expect = saved_expect
-        np.random.set_state(state)
-    return cases
-
-
 def test_onnx_rms_normalization_cases():
-    cases = _onnx_rms_cases()
+    cases = onnx_node_cases("rmsnormalization", "RMSNormalization")
     assert len(cases) >= 15
     for name, (x, scale), (expected,), attributes in cases:
         y = fastln.rms_norm(x, scale, attributes.get("epsilon", 1e-5),

@@ -1012,3 +1012,190 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
         dx[l] = FASTLN_NAME(from_double)(out);
     }
 }
+
+/* ---- GroupNorm ------------------------------------------------------------------------------
+ * Per (sample, channel) sums of dy, dy * d and d (d = x - mean, the group's cached mean), then
+ * per group the constants of fastln_gn_backward_group, then dx value by value:
+ *     x_hat = ((x - mean) - correction) * rstd,
+ *     dx = rstd * ((gamma_c * dy - mean(dx_hat)) - x_hat * mean(dx_hat * x_hat)). */
+
+/* The three sums over n values of one channel (channels first), in LayerNorm's slot order:
+ * dy and d are formed as the LayerNorm backward's first pass forms them (ln_backward_add_block,
+ * without gamma), the last block padded with dy = 0 and x = mean. sums: sum(dy), sum(dy * d),
+ * sum(d). */
+FASTLN_OUTLINED void FASTLN_NAME(gn_backward_sums)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                 int64_t n, double mean, double sums[3])
+{
+    const int64_t n_whole = n - n % FASTLN_SLOTS;
+    FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy and x (gamma unused) */
+    if (n_whole < n)
+        for (int k = 0; k < FASTLN_SLOTS; k++) {
+            const int inside = n_whole + k < n;
+            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
+            padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k])
+                                              : (FASTLN_C)mean;
+            padded[2 * FASTLN_SLOTS + k] = 1;
+        }
+    double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum_dy[FASTLN_PASS_VECTORS] = {0}, sum_dy_d[FASTLN_PASS_VECTORS] = {0};
+        FASTLN_VD sum_d[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
+            FASTLN_NAME(ln_backward_add_block)(dy, x, NULL, NULL, i + first, mean, sum_dy,
+                                               sum_dy_d, sum_d);
+        if (n_whole < n)
+            FASTLN_NAME(ln_backward_add_block)(NULL, NULL, NULL, padded, first, mean, sum_dy,
+                                               sum_dy_d, sum_d);
+        memcpy(dy_slots + first, sum_dy, sizeof sum_dy);
+        memcpy(dy_d_slots + first, sum_dy_d, sizeof sum_dy_d);
+        memcpy(d_slots + first, sum_d, sizeof sum_d);
+    }
+    sums[0] = fastln_reduce_slots(dy_slots);
+    sums[1] = fastln_reduce_slots(dy_d_slots);
+    sums[2] = fastln_reduce_slots(d_slots);
+}
+
+/* The backward's constants of one group of n values from its channels' sums (sum(dy),
+ * sum(dy * d) and sum(d) of channel c at sum_dy[c * stride] and likewise; gamma from the group's
+ * first channel, or NULL):
+ *     mean correction = sum(d) / n (the cache's mean may be rounded to float32),
+ *     sum(dx_hat) = sum over c of gamma_c sum_c(dy), likewise sum(dx_hat * d),
+ *     sum(dx_hat * x_hat) = rstd * (sum(dx_hat * d) - correction * sum(dx_hat)),
+ * and each channel's dgamma term rstd * (sum_c(dy * d) - correction * sum_c(dy)) and dbeta
+ * term sum_c(dy). fields: mean, correction, rstd, mean(dx_hat), mean(dx_hat * x_hat). Returns
+ * whether sum(dx_hat * x_hat) is finite. */
+FASTLN_INLINE int FASTLN_NAME(gn_backward_group)(const double *sum_dy, const double *sum_dy_d,
+                                                 const double *sum_d, int64_t stride,
+                                                 const FASTLN_P *gamma, int64_t n_channels,
+                                                 double n, double mean, double rstd,
+                                                 double *fields, double *dgamma_terms,
+                                                 double *dbeta_terms)
+{
+    double total_d = 0.0, total_dxhat = 0.0, total_dxhat_d = 0.0;
+    for (int64_t c = 0; c < n_channels; c++) {
+        const double scale = gamma ? (double)gamma[c] : 1.0;
+        total_dxhat += scale * sum_dy[c * stride];
+        total_dxhat_d += scale * sum_dy_d[c * stride];
+        total_d += sum_d[c * stride];
+    }
+    const double correction = total_d / n;
+    const double total_dxhat_xhat = rstd * (total_dxhat_d - correction * total_dxhat);
+    for (int64_t c = 0; c < n_channels; c++) {
+        dgamma_terms[c] = rstd * (sum_dy_d[c * stride] - correction * sum_dy[c * stride]);
+        dbeta_terms[c] = sum_dy[c * stride];
+    }
+    fields[0] = mean;
+    fields[1] = correction;
+    fields[2] = rstd;
+    fields[3] = total_dxhat / n;
+    fields[4] = total_dxhat_xhat / n;
+    fields[5] = 0.0;
+    return isfinite(total_dxhat_xhat);
+}
+
+/* dx over n values of one channel (channels first) in double; fields as gn_backward_group. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_double)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                         FASTLN_T *dx, int64_t n,
+                                                         const double *fields, double gamma)
+{
+    const double mean = fields[0], correction = fields[1], rstd = fields[2];
+    const double mean_dxhat = fields[3], mean_dxhat_xhat = fields[4];
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES) {
+        FASTLN_VD g[2], x_hat[2];
+        FASTLN_NAME(load_wide)(dy + i, &g[0], &g[1]);
+        FASTLN_NAME(load_wide)(x + i, &x_hat[0], &x_hat[1]);
+        FASTLN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            x_hat[h] = ((x_hat[h] - mean) - correction) * rstd;
+            g[h] = rstd * ((g[h] * gamma - mean_dxhat) - x_hat[h] * mean_dxhat_xhat);
+        }
+        FASTLN_NAME(store_wide)(dx + i, g[0], g[1]);
+    }
+    for (; i < n; i++) {
+        const double x_hat = ((FASTLN_NAME(to_double)(x[i]) - mean) - correction) * rstd;
+        dx[i] = FASTLN_NAME(from_double)(
+            rstd * ((FASTLN_NAME(to_double)(dy[i]) * gamma - mean_dxhat) - x_hat * mean_dxhat_xhat));
+    }
+}
+
+#if FASTLN_COMPUTE_F32
+/* The same in float, the mean a float head (the cache's float mean) and tail (the correction),
+ * as ln_backward_dx_float. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_float)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                        FASTLN_T *dx, int64_t n,
+                                                        const double *fields, float gamma)
+{
+    const float mean_head = (float)fields[0], mean_tail = (float)fields[1];
+    const float rstd = (float)fields[2];
+    const float mean_dxhat = (float)fields[3], mean_dxhat_xhat = (float)fields[4];
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES) {
+        const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x + i) - mean_head) - mean_tail) * rstd;
+        const FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy + i) * gamma;
+        FASTLN_NAME(store_c)(dx + i, ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd);
+    }
+    for (; i < n; i++) {
+        const float x_hat = ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * rstd;
+        const float dx_hat = FASTLN_NAME(to_compute)(dy[i]) * gamma;
+        dx[i] = FASTLN_NAME(from_compute)(((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd);
+    }
+}
+#endif
+
+/* dx over n values of one channel: in float for the float32-compute types whose rstd fits a
+ * float (ln_backward_in_floats), else in double. */
+FASTLN_INLINE void FASTLN_NAME(gn_backward_write)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                  FASTLN_T *dx, int64_t n, const double *fields,
+                                                  double gamma)
+{
+#if FASTLN_COMPUTE_F32
+    if (fields[2] > 1e-30 && fields[2] < 1e30) {
+        FASTLN_NAME(gn_backward_write_float)(dy, x, dx, n, fields, (float)gamma);
+        return;
+    }
+#endif
+    FASTLN_NAME(gn_backward_write_double)(dy, x, dx, n, fields, gamma);
+}
+
+/* Channels last: dx over n_rows spatial rows of width channels (rows stride values apart), in
+ * double, from per-channel constants (mean, correction, rstd, gamma, mean(dx_hat),
+ * mean(dx_hat * x_hat), each `width` doubles: their group's, and gamma_c). Channels never mix,
+ * so the vector width changes nothing. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_backward_apply_rows)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows, int64_t width,
+    int64_t stride, const double *FASTLN_RESTRICT constants, int64_t constants_stride)
+{
+    const double *mean = constants, *correction = constants + constants_stride;
+    const double *rstd = constants + 2 * constants_stride, *gamma = constants + 3 * constants_stride;
+    const double *mean_dxhat = constants + 4 * constants_stride;
+    const double *mean_dxhat_xhat = constants + 5 * constants_stride;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *dy_row = dy + r * stride, *x_row = x + r * stride;
+        FASTLN_T *dx_row = dx + r * stride;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= width; c += FASTLN_VF_LANES) {
+            FASTLN_VD g[2], x_hat[2];
+            FASTLN_NAME(load_wide)(dy_row + c, &g[0], &g[1]);
+            FASTLN_NAME(load_wide)(x_row + c, &x_hat[0], &x_hat[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = c + h * FASTLN_VD_LANES;
+                const FASTLN_VD rstd_v = FASTLN_ISA(load_f64)(rstd + at);
+                x_hat[h] = ((x_hat[h] - FASTLN_ISA(load_f64)(mean + at))
+                            - FASTLN_ISA(load_f64)(correction + at)) * rstd_v;
+                g[h] = rstd_v * ((g[h] * FASTLN_ISA(load_f64)(gamma + at)
+                                  - FASTLN_ISA(load_f64)(mean_dxhat + at))
+                                 - x_hat[h] * FASTLN_ISA(load_f64)(mean_dxhat_xhat + at));
+            }
+            FASTLN_NAME(store_wide)(dx_row + c, g[0], g[1]);
+        }
+        for (; c < width; c++) {
+            const double x_hat = ((FASTLN_NAME(to_double)(x_row[c]) - mean[c]) - correction[c])
+                                 * rstd[c];
+            dx_row[c] = FASTLN_NAME(from_double)(
+                rstd[c] * ((FASTLN_NAME(to_double)(dy_row[c]) * gamma[c] - mean_dxhat[c])
+                           - x_hat * mean_dxhat_xhat[c]));
+        }
+    }
+}

@@ -345,6 +345,385 @@ static void FASTLN_NAME(bn_backward_finish_rescaled_task)(const void *opaque, in
     FASTLN_NAME(bn_finish_rescaled_backward)(call->dx, call->x, call);
 }
 
+/* ---- GroupNorm ------------------------------------------------------------------------------
+ * Channels first (NCHW), (sample, group) ng is the run of fastln_gn_group_size values at
+ * x + ng * size; channels last (NHWC), sample n is n_spatial rows of n_channels values, and
+ * group g its channels [g * per_group, (g + 1) * per_group) of every row. The pieces, blocks
+ * and scratch are laid out by fastln/group_norm.h. */
+
+/* The careful view of a group (rare.h) and where it starts. */
+FASTLN_INLINE fastln_gn_view FASTLN_NAME(gn_view_of)(const fastln_gn_call *call, int64_t ng,
+                                                     int64_t *offset)
+{
+    const int64_t per_group = call->n_channels / call->n_groups;
+    const int64_t n = ng / call->n_groups, g = ng % call->n_groups;
+    fastln_gn_view view;
+    view.first_channel = g * per_group;
+    view.channels_last = call->channels_last;
+    if (call->channels_last) {
+        view.n_rows = call->n_spatial;
+        view.width = per_group;
+        view.stride = call->n_channels;
+        *offset = n * call->n_spatial * call->n_channels + g * per_group;
+    } else {
+        view.n_rows = per_group;
+        view.width = view.stride = call->n_spatial;
+        *offset = ng * per_group * call->n_spatial;
+    }
+    return view;
+}
+
+/* A forward group's statistics are known: keep them (the cache's mean and rstd, the scratch),
+ * and write a channels-first group whose rstd is beyond double now (channels last: flag it for
+ * FASTLN_GN_FINISH_RARE, after the write pass that must not overwrite it). */
+FASTLN_INLINE void FASTLN_NAME(gn_keep_statistics)(const fastln_gn_call *call, int64_t ng,
+                                                   const fastln_ln_stats *stats)
+{
+    FASTLN_P *mean = call->mean, *rstd = call->rstd;
+    if (mean) mean[ng] = (FASTLN_P)(stats->shift + stats->mean_shifted);
+    if (rstd) rstd[ng] = (FASTLN_P)stats->rstd;
+    fastln_gn_store_stats(call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng, stats);
+    call->rare[ng] = fastln_gn_write_is_rare(stats);
+    if (call->rare[ng] && !call->channels_last) {
+        int64_t offset;
+        const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+        FASTLN_NAME(gn_write_rescaled)((const FASTLN_T *)call->x + offset,
+                                       (FASTLN_T *)call->y + offset, &view, call->gamma,
+                                       call->beta, stats);
+    }
+}
+
+/* Channels first: values [start, end) of group ng's run written from its kept statistics. */
+FASTLN_INLINE void FASTLN_NAME(gn_write_part)(const fastln_gn_call *call, int64_t ng,
+                                              int64_t start, int64_t end)
+{
+    if (call->rare[ng]) return;
+    const int64_t size = fastln_gn_group_size(call);
+    const int64_t per_group = call->n_channels / call->n_groups;
+    const fastln_ln_stats stats =
+        fastln_gn_load_stats(call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng);
+    FASTLN_NAME(gn_write_run)((const FASTLN_T *)call->x + ng * size, (FASTLN_T *)call->y + ng * size,
+                              start, end, call->n_spatial, (ng % call->n_groups) * per_group,
+                              &stats, fastln_gn_x_hat_scale(&stats, call->eps), call->gamma,
+                              call->beta, call->streaming);
+}
+
+/* Channels first, a group per task: its pieces' sums, its statistics, its write pass while
+ * the group is still in cache. The same sums in the same order as the piece phases. */
+static void FASTLN_NAME(gn_forward_groups_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const int64_t size = fastln_gn_group_size(call);
+    for (int64_t ng = begin; ng < end; ng++) {
+        const FASTLN_T *x = (const FASTLN_T *)call->x + ng * size;
+        double *sums = call->partials + 2 * call->n_pieces * ng;
+        FASTLN_NAME(gn_piece_sums)(x, size, call->piece, 0, call->n_pieces,
+                                   FASTLN_NAME(to_double)(x[0]), sums);
+        fastln_ln_stats stats;
+        FASTLN_NAME(gn_run_statistics)(x, size, sums, call->n_pieces, call->eps, &stats);
+        FASTLN_NAME(gn_keep_statistics)(call, ng, &stats);
+        FASTLN_NAME(gn_write_part)(call, ng, 0, size);
+    }
+}
+
+/* Channels last: where block `task` of a sample starts, and its rows. */
+FASTLN_INLINE int64_t FASTLN_NAME(gn_block)(const fastln_gn_call *call, int64_t task,
+                                            int64_t *n_rows)
+{
+    const int64_t n = task / call->n_pieces, b = task % call->n_pieces;
+    *n_rows = fastln_min(call->piece, call->n_spatial - b * call->piece);
+    return (n * call->n_spatial + b * call->piece) * call->n_channels;
+}
+
+/* Pieces (channels first) or blocks (channels last): their shifted sums. */
+static void FASTLN_NAME(gn_statistics_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const FASTLN_T *x = call->x;
+    const int64_t size = fastln_gn_group_size(call), C = call->n_channels;
+    const int64_t per_group = C / call->n_groups;
+    for (int64_t task = begin; task < end; task++) {
+        if (!call->channels_last) {
+            const int64_t ng = task / call->n_pieces, p = task % call->n_pieces;
+            FASTLN_NAME(gn_piece_sums)(x + ng * size, size, call->piece, p, p + 1,
+                                       FASTLN_NAME(to_double)(x[ng * size]),
+                                       call->partials + 2 * call->n_pieces * ng);
+            continue;
+        }
+        /* Each block shifts a channel by its group's first value (spatial position 0). */
+        double *shift = call->partials + 3 * C * task;
+        const FASTLN_T *first_row = x + task / call->n_pieces * call->n_spatial * C;
+        for (int64_t c = 0; c < C; c++)
+            shift[c] = FASTLN_NAME(to_double)(first_row[c / per_group * per_group]);
+        int64_t n_rows;
+        const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+        FASTLN_NAME(bn_stats_rows)(x + offset, n_rows, C, C, shift, shift + C, shift + 2 * C);
+    }
+}
+
+/* Groups: their statistics from the pieces' (blocks') sums, added in order; channels last,
+ * also the write constants of their channels. */
+static void FASTLN_NAME(gn_finish_statistics_task)(const void *opaque, int64_t begin,
+                                                   int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const FASTLN_T *x = call->x;
+    const int64_t size = fastln_gn_group_size(call), C = call->n_channels;
+    const int64_t per_group = C / call->n_groups, n_channel_values = call->n_samples * C;
+    for (int64_t ng = begin; ng < end; ng++) {
+        fastln_ln_stats stats;
+        if (!call->channels_last) {
+            FASTLN_NAME(gn_run_statistics)(x + ng * size, size,
+                                           call->partials + 2 * call->n_pieces * ng,
+                                           call->n_pieces, call->eps, &stats);
+            FASTLN_NAME(gn_keep_statistics)(call, ng, &stats);
+            continue;
+        }
+        const int64_t n = ng / call->n_groups, first = (ng % call->n_groups) * per_group;
+        const double *blocks = call->partials + 3 * C * n * call->n_pieces;
+        double sum = 0.0, sumsq = 0.0;
+        for (int64_t c = first; c < first + per_group; c++) {
+            double channel_sum = 0.0, channel_sumsq = 0.0;
+            for (int64_t b = 0; b < call->n_pieces; b++) {
+                channel_sum += blocks[3 * C * b + C + c];
+                channel_sumsq += blocks[3 * C * b + 2 * C + c];
+            }
+            sum += channel_sum;
+            sumsq += channel_sumsq;
+        }
+        if (!fastln_gn_statistics_from_sums(blocks[first], sum, sumsq, (double)size, call->eps,
+                                            &stats)) {
+            int64_t offset;
+            const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+            FASTLN_NAME(gn_view_statistics)(x + offset, &view, call->eps, &stats);
+        }
+        FASTLN_NAME(gn_keep_statistics)(call, ng, &stats);
+        const double x_hat_scale = fastln_gn_x_hat_scale(&stats, call->eps);
+        double *constants = call->channel_scratch + n * C;
+        for (int64_t c = first; c < first + per_group; c++) {
+            const FASTLN_NAME(gn_channel) channel = FASTLN_NAME(gn_channel_of)(
+                &stats, x_hat_scale, call->gamma, call->beta, c);
+            constants[c] = channel.shift;
+            constants[n_channel_values + c] = channel.mean_shifted;
+            constants[2 * n_channel_values + c] = channel.scale;
+            constants[3 * n_channel_values + c] = channel.offset;
+        }
+    }
+}
+
+/* Whether sample n has a group a rare path does. */
+FASTLN_INLINE int FASTLN_NAME(gn_sample_has_rare)(const fastln_gn_call *call, int64_t n)
+{
+    int any = 0;
+    for (int64_t g = 0; g < call->n_groups; g++) any |= call->rare[n * call->n_groups + g] != 0;
+    return any;
+}
+
+/* Pieces (channels first) or blocks (channels last): the write pass. Channels last, the
+ * channels of a rare group are left for FASTLN_GN_FINISH_RARE (which reads x: y may be x). */
+static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const FASTLN_T *x = call->x;
+    FASTLN_T *y = call->y;
+    const int64_t size = fastln_gn_group_size(call), C = call->n_channels;
+    const int64_t per_group = C / call->n_groups, n_channel_values = call->n_samples * C;
+    for (int64_t task = begin; task < end; task++) {
+        if (!call->channels_last) {
+            const int64_t ng = task / call->n_pieces, p = task % call->n_pieces;
+            FASTLN_NAME(gn_write_part)(call, ng, p * call->piece,
+                                       fastln_min((p + 1) * call->piece, size));
+            continue;
+        }
+        const int64_t n = task / call->n_pieces;
+        const double *shift = call->channel_scratch + n * C;
+        const double *center = shift + n_channel_values, *scale = center + n_channel_values;
+        const double *offset_c = scale + n_channel_values;
+        int64_t n_rows;
+        const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+        if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
+            FASTLN_NAME(bn_apply_rows)(x + offset, y + offset, n_rows, C, shift, center, scale,
+                                       offset_c);
+            continue;
+        }
+        for (int64_t r = 0; r < n_rows; r++)
+            for (int64_t g = 0; g < call->n_groups; g++) {
+                if (call->rare[n * call->n_groups + g]) continue;
+                const int64_t at = offset + r * C + g * per_group, c = g * per_group;
+                FASTLN_NAME(bn_apply_rows)(x + at, y + at, 1, per_group, shift + c, center + c,
+                                           scale + c, offset_c + c);
+            }
+    }
+}
+
+/* Channels last: the groups whose rstd is beyond double, written rescaled. One task. */
+static void FASTLN_NAME(gn_finish_rare_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    (void)begin;
+    (void)end;
+    for (int64_t ng = 0; ng < call->n_samples * call->n_groups; ng++) {
+        if (!call->rare[ng]) continue;
+        int64_t offset;
+        const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+        const fastln_ln_stats stats =
+            fastln_gn_load_stats(call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng);
+        FASTLN_NAME(gn_write_rescaled)((const FASTLN_T *)call->x + offset,
+                                       (FASTLN_T *)call->y + offset, &view, call->gamma,
+                                       call->beta, &stats);
+    }
+}
+
+/* Backward pieces (channels first: of a channel's values) or blocks: their three sums. */
+static void FASTLN_NAME(gn_backward_sums_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const FASTLN_T *dy = call->dy, *x = call->x;
+    const FASTLN_P *mean = call->mean;
+    const int64_t C = call->n_channels, S = call->n_spatial;
+    const int64_t per_group = C / call->n_groups;
+    for (int64_t task = begin; task < end; task++) {
+        if (!call->channels_last) {
+            const int64_t nc = task / call->n_pieces, p = task % call->n_pieces;
+            const int64_t ng = nc / C * call->n_groups + nc % C / per_group;
+            const int64_t at = nc * S + p * call->piece;
+            FASTLN_NAME(gn_backward_sums)(dy + at, x + at, fastln_min(call->piece, S - p * call->piece),
+                                          (double)mean[ng], call->partials + 3 * task);
+            continue;
+        }
+        double *channel_mean = call->partials + 4 * C * task;
+        const FASTLN_P *sample_mean = mean + task / call->n_pieces * call->n_groups;
+        for (int64_t c = 0; c < C; c++) channel_mean[c] = (double)sample_mean[c / per_group];
+        int64_t n_rows;
+        const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+        FASTLN_NAME(bn_backward_sums_rows)(dy + offset, x + offset, n_rows, C, C, channel_mean,
+                                           channel_mean + C, channel_mean + 2 * C,
+                                           channel_mean + 3 * C);
+    }
+}
+
+/* The backward's constants, group by group (the rare groups done here, from x), then dgamma
+ * and dbeta: each channel's terms added in sample order. One task. */
+static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t begin,
+                                                    int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    (void)begin;
+    (void)end;
+    const FASTLN_T *dy = call->dy, *x = call->x;
+    FASTLN_T *dx = call->dx;
+    const FASTLN_P *mean = call->mean, *rstd = call->rstd, *gamma = call->gamma;
+    const int64_t C = call->n_channels, G = call->n_groups, P = call->n_pieces;
+    const int64_t per_group = C / G, n_channel_values = call->n_samples * C;
+    double *dgamma_terms = call->channel_scratch, *dbeta_terms = dgamma_terms + n_channel_values;
+    /* The pieces' (blocks') sums added in order into the first piece's (block's). */
+    if (!call->channels_last) {
+        for (int64_t nc = 0; nc < n_channel_values; nc++)
+            for (int64_t p = 1; p < P; p++)
+                for (int k = 0; k < 3; k++)
+                    call->partials[3 * P * nc + k] += call->partials[3 * (P * nc + p) + k];
+    } else {
+        for (int64_t n = 0; n < call->n_samples; n++) {
+            double *first = call->partials + 4 * C * P * n;
+            for (int64_t b = 1; b < P; b++)
+                for (int64_t j = C; j < 4 * C; j++) first[j] += first[4 * C * b + j];
+        }
+    }
+    for (int64_t ng = 0; ng < call->n_samples * G; ng++) {
+        const int64_t n = ng / G, first = ng % G * per_group, nc = n * C + first;
+        const double *sum_dy, *sum_dy_d, *sum_d;
+        int64_t stride;
+        if (!call->channels_last) {
+            sum_dy = call->partials + 3 * P * nc;
+            stride = 3 * P;
+        } else {
+            sum_dy = call->partials + 4 * C * P * n + C + first;
+            stride = 1;
+        }
+        sum_dy_d = call->channels_last ? sum_dy + C : sum_dy + 1;
+        sum_d = call->channels_last ? sum_dy + 2 * C : sum_dy + 2;
+        double *fields = call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng;
+        const double group_rstd = (double)rstd[ng];
+        const int finite = FASTLN_NAME(gn_backward_group)(
+            sum_dy, sum_dy_d, sum_d, stride, gamma ? gamma + first : NULL, per_group,
+            (double)fastln_gn_group_size(call), (double)mean[ng], group_rstd, fields,
+            dgamma_terms + nc, dbeta_terms + nc);
+        call->rare[ng] = 0;
+        if (isinf(group_rstd) || (!finite && !isnan(group_rstd))) {
+            int64_t offset;
+            const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+            if (isinf(group_rstd) || FASTLN_NAME(gn_view_finite)(dy + offset, x + offset, &view, gamma)) {
+                for (int64_t c = 0; c < per_group; c++) dgamma_terms[nc + c] = dbeta_terms[nc + c] = 0.0;
+                FASTLN_NAME(gn_backward_recomputed)(dy + offset, x + offset, dx + offset, &view,
+                                                    gamma, call->eps, dgamma_terms + nc,
+                                                    dbeta_terms + nc);
+                call->rare[ng] = 1;
+            }
+        }
+        if (call->channels_last) {
+            double *constants = call->channel_scratch + 2 * n_channel_values + nc;
+            for (int64_t c = 0; c < per_group; c++) {
+                constants[c] = fields[0];
+                constants[n_channel_values + c] = fields[1];
+                constants[2 * n_channel_values + c] = fields[2];
+                constants[3 * n_channel_values + c] = gamma ? (double)gamma[first + c] : 1.0;
+                constants[4 * n_channel_values + c] = fields[3];
+                constants[5 * n_channel_values + c] = fields[4];
+            }
+        }
+    }
+    FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
+    for (int64_t c = 0; c < C; c++) {
+        double total_dgamma = 0.0, total_dbeta = 0.0;
+        for (int64_t n = 0; n < call->n_samples; n++) {
+            total_dgamma += dgamma_terms[n * C + c];
+            total_dbeta += dbeta_terms[n * C + c];
+        }
+        dgamma[c] = (FASTLN_P)total_dgamma;
+        dbeta[c] = (FASTLN_P)total_dbeta;
+    }
+}
+
+/* Backward pieces or blocks: dx (the rare groups were written by the constants task). */
+static void FASTLN_NAME(gn_backward_apply_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const FASTLN_T *dy = call->dy, *x = call->x;
+    FASTLN_T *dx = call->dx;
+    const FASTLN_P *gamma = call->gamma;
+    const int64_t C = call->n_channels, S = call->n_spatial, G = call->n_groups;
+    const int64_t per_group = C / G, n_channel_values = call->n_samples * C;
+    for (int64_t task = begin; task < end; task++) {
+        if (!call->channels_last) {
+            const int64_t nc = task / call->n_pieces, p = task % call->n_pieces;
+            const int64_t c = nc % C, ng = nc / C * G + c / per_group;
+            if (call->rare[ng]) continue;
+            const int64_t at = nc * S + p * call->piece;
+            FASTLN_NAME(gn_backward_write)(dy + at, x + at, dx + at,
+                                           fastln_min(call->piece, S - p * call->piece),
+                                           call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng,
+                                           gamma ? (double)gamma[c] : 1.0);
+            continue;
+        }
+        const int64_t n = task / call->n_pieces;
+        const double *constants = call->channel_scratch + 2 * n_channel_values + n * C;
+        int64_t n_rows;
+        const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+        if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
+            FASTLN_NAME(gn_backward_apply_rows)(dy + offset, x + offset, dx + offset, n_rows, C,
+                                                C, constants, n_channel_values);
+            continue;
+        }
+        for (int64_t r = 0; r < n_rows; r++)
+            for (int64_t g = 0; g < G; g++) {
+                if (call->rare[n * G + g]) continue;
+                const int64_t at = offset + r * C + g * per_group;
+                FASTLN_NAME(gn_backward_apply_rows)(dy + at, x + at, dx + at, 1, per_group, C,
+                                                    constants + g * per_group, n_channel_values);
+            }
+    }
+}
+
 #if FASTLN_COMPUTE_F32 && FASTLN_STORAGE != FASTLN_FLOAT32
 /* The half conversions alone, exactly as the kernels load and store (the tests hold them to
  * NumPy's and ml_dtypes' astype): call->x's halves widened into call->y's floats, or call->x's
@@ -390,6 +769,14 @@ static const fastln_task FASTLN_NAME(tasks)[FASTLN_N_TASKS] = {
     [FASTLN_BN_BACKWARD_CONSTANTS] = FASTLN_NAME(bn_backward_constants_task),
     [FASTLN_BN_BACKWARD_APPLY] = FASTLN_NAME(bn_backward_apply_task),
     [FASTLN_BN_BACKWARD_FINISH_RESCALED] = FASTLN_NAME(bn_backward_finish_rescaled_task),
+    [FASTLN_GN_FORWARD_GROUPS] = FASTLN_NAME(gn_forward_groups_task),
+    [FASTLN_GN_STATISTICS] = FASTLN_NAME(gn_statistics_task),
+    [FASTLN_GN_FINISH_STATISTICS] = FASTLN_NAME(gn_finish_statistics_task),
+    [FASTLN_GN_APPLY] = FASTLN_NAME(gn_apply_task),
+    [FASTLN_GN_FINISH_RARE] = FASTLN_NAME(gn_finish_rare_task),
+    [FASTLN_GN_BACKWARD_SUMS] = FASTLN_NAME(gn_backward_sums_task),
+    [FASTLN_GN_BACKWARD_CONSTANTS] = FASTLN_NAME(gn_backward_constants_task),
+    [FASTLN_GN_BACKWARD_APPLY] = FASTLN_NAME(gn_backward_apply_task),
 #if FASTLN_COMPUTE_F32 && FASTLN_STORAGE != FASTLN_FLOAT32
     [FASTLN_WIDEN] = FASTLN_NAME(widen_task),
     [FASTLN_NARROW] = FASTLN_NAME(narrow_task),

@@ -360,3 +360,112 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment)(const FASTLN_T *x, FASTLN_T *
         y[l] = FASTLN_NAME(from_double)(
             ((FASTLN_NAME(to_double)(x[l]) - shift) - center) * scale + offset);
 }
+
+/* ---- GroupNorm: y = ((x - shift) - mean_shifted) * scale + offset over a channel's values ---
+ * scale = x_hat_scale * gamma_c and offset = beta_c are the channel's constants (gamma folded
+ * into rstd in double, rounded once). */
+
+/* A group's write constants for one channel. */
+typedef struct {
+    double shift, mean_shifted, scale, offset;
+} FASTLN_NAME(gn_channel);
+
+FASTLN_INLINE FASTLN_NAME(gn_channel) FASTLN_NAME(gn_channel_of)(const fastln_ln_stats *stats,
+                                                                 double x_hat_scale,
+                                                                 const FASTLN_P *gamma,
+                                                                 const FASTLN_P *beta,
+                                                                 int64_t c)
+{
+    FASTLN_NAME(gn_channel) channel;
+    channel.shift = stats->shift;
+    channel.mean_shifted = stats->mean_shifted;
+    channel.scale = gamma ? x_hat_scale * (double)gamma[c] : x_hat_scale;
+    channel.offset = beta ? (double)beta[c] : 0.0;
+    return channel;
+}
+
+/* The double pass over n values of one channel. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_write_double)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
+                                                const FASTLN_NAME(gn_channel) *constants,
+                                                int streaming)
+{
+    const FASTLN_NAME(gn_channel) k = *constants;
+    int64_t i = 0;
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES) {
+        FASTLN_VD low, high;
+        FASTLN_NAME(load_wide)(x + i, &low, &high);
+        low = ((low - k.shift) - k.mean_shifted) * k.scale + k.offset;
+        high = ((high - k.shift) - k.mean_shifted) * k.scale + k.offset;
+        FASTLN_NAME(store_wide_to)(y + i, low, high, streaming);
+    }
+    if (streaming) fastln_streaming_fence();
+    for (; i < n; i++)
+        y[i] = FASTLN_NAME(from_double)(
+            ((FASTLN_NAME(to_double)(x[i]) - k.shift) - k.mean_shifted) * k.scale + k.offset);
+}
+
+#if FASTLN_COMPUTE_F32
+/* The float pass, centred on a float head and tail of the mean as ln_write_float. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
+                                               float mean_head, float mean_tail, float scale,
+                                               float offset, int streaming)
+{
+    int64_t i = 0;
+    for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
+        FASTLN_UNROLL
+        for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES) {
+            const FASTLN_VF out =
+                ((FASTLN_NAME(load_c)(x + v) - mean_head) - mean_tail) * scale + offset;
+            FASTLN_NAME(store_c_to)(y + v, out, streaming);
+        }
+    }
+    for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES) {
+        const FASTLN_VF out = ((FASTLN_NAME(load_c)(x + i) - mean_head) - mean_tail) * scale + offset;
+        FASTLN_NAME(store_c_to)(y + i, out, streaming);
+    }
+    if (streaming) fastln_streaming_fence();
+    for (; i < n; i++)
+        y[i] = FASTLN_NAME(from_compute)(
+            ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * scale + offset);
+}
+#endif
+
+/* The write pass over n values of one channel: in float for the float32-compute types whose
+ * scale fits a float (as ln_write), else in double. With streaming set (and y aligned), y goes
+ * out with non-temporal stores. */
+FASTLN_INLINE void FASTLN_NAME(gn_write)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
+                                         const FASTLN_NAME(gn_channel) *constants, int streaming)
+{
+    const int stream_y = streaming && fastln_is_aligned16(y);
+#if FASTLN_COMPUTE_F32
+    const double scale = fabs(constants->scale);
+    if ((scale > 1e-30 && scale < 1e30) || scale == 0.0) {
+        const double mean = constants->shift + constants->mean_shifted;
+        const float mean_head = (float)mean;
+        const float mean_tail =
+            (float)((constants->shift - (double)mean_head) + constants->mean_shifted);
+        FASTLN_NAME(gn_write_float)(x, y, n, mean_head, mean_tail, (float)constants->scale,
+                                    (float)constants->offset, stream_y);
+        return;
+    }
+#endif
+    FASTLN_NAME(gn_write_double)(x, y, n, constants, stream_y);
+}
+
+/* Values [start, end) of a channels-first group's run (y likewise), cut at its channels'
+ * boundaries (n_spatial values each, the first the group's channel first_channel). */
+FASTLN_INLINE void FASTLN_NAME(gn_write_run)(const FASTLN_T *x, FASTLN_T *y, int64_t start,
+                                             int64_t end, int64_t n_spatial,
+                                             int64_t first_channel, const fastln_ln_stats *stats,
+                                             double x_hat_scale, const FASTLN_P *gamma,
+                                             const FASTLN_P *beta, int streaming)
+{
+    while (start < end) {
+        const int64_t local = start / n_spatial;
+        const int64_t stop = fastln_min((local + 1) * n_spatial, end);
+        const FASTLN_NAME(gn_channel) constants = FASTLN_NAME(gn_channel_of)(
+            stats, x_hat_scale, gamma, beta, first_channel + local);
+        FASTLN_NAME(gn_write)(x + start, y + start, stop - start, &constants, streaming);
+        start = stop;
+    }
+}

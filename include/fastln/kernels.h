@@ -50,6 +50,14 @@ enum {
     FASTLN_BN_BACKWARD_CONSTANTS,       /*   one task */
     FASTLN_BN_BACKWARD_APPLY,           /*   write units */
     FASTLN_BN_BACKWARD_FINISH_RESCALED, /*   when *n_finish > 0: one task */
+    FASTLN_GN_FORWARD_GROUPS,           /* GroupNorm, channels first: groups */
+    FASTLN_GN_STATISTICS,               /*   or, few groups: pieces (channels last: blocks) */
+    FASTLN_GN_FINISH_STATISTICS,        /*   groups */
+    FASTLN_GN_APPLY,                    /*   pieces (channels last: blocks) */
+    FASTLN_GN_FINISH_RARE,              /*   channels last, when a group is rare: one task */
+    FASTLN_GN_BACKWARD_SUMS,            /* backward: pieces (channels last: blocks) */
+    FASTLN_GN_BACKWARD_CONSTANTS,       /*   one task */
+    FASTLN_GN_BACKWARD_APPLY,           /*   pieces (channels last: blocks) */
     FASTLN_WIDEN,                       /* the half types' conversions alone: elements */
     FASTLN_NARROW,
     FASTLN_N_TASKS
@@ -101,6 +109,31 @@ typedef struct {
     double *partials;
     int64_t *finish, *n_finish;
 } fastln_bn_call;
+
+/* A GroupNorm: x is (n_samples, n_channels, n_spatial) (channels first, NCHW) or
+ * (n_samples, n_spatial, n_channels) (channels last, NHWC), C-contiguous; statistics per
+ * (sample, group) over the n_channels / n_groups channels of the group and every spatial
+ * position. Parameters, statistics and dgamma/dbeta in the parameter type; the scratch is in
+ * double, its layout fixed by fastln_gn_layout (the shape alone). */
+typedef struct {
+    const void *x, *dy;
+    void *y, *dx;
+    const void *gamma, *beta;         /* n_channels parameters each, or NULL */
+    void *mean, *rstd;                /* (n_samples, n_groups): forwards write them (NULL: not
+                                       * kept), backwards read them */
+    void *dgamma, *dbeta;             /* backward: n_channels parameters each */
+    int64_t n_samples, n_channels, n_groups, n_spatial;
+    int channels_last, streaming;
+    double eps;
+    /* the layout: n_pieces pieces of `piece` elements per group (channels first, forward), per
+     * channel (channels first, backward), or blocks of `piece` spatial rows per sample
+     * (channels last) */
+    int64_t n_pieces, piece;
+    double *partials;                 /* per piece or block, zeroed (fastln_gn_partials) */
+    double *channel_scratch;          /* per (sample, channel) (fastln_gn_channel_scratch) */
+    double *group_scratch;            /* per (sample, group) (fastln_gn_group_scratch) */
+    int64_t *rare;                    /* per (sample, group): done by a rare path (rare.h) */
+} fastln_gn_call;
 
 FASTLN_INLINE int64_t fastln_min(int64_t a, int64_t b) { return a < b ? a : b; }
 FASTLN_INLINE int64_t fastln_max(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -196,6 +229,8 @@ FASTLN_INLINE void fastln_flush_accumulators(float *FASTLN_RESTRICT accumulators
         accumulators[j] = 0.0f;
     }
 }
+
+#include "fastln/group_norm.h"
 
 /* ---- the instruction-set variants ---------------------------------------------------------- */
 

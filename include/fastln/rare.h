@@ -449,3 +449,155 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
             }
     }
 }
+
+/* ---- GroupNorm ---------------------------------------------------------------------------
+ * A group seen as n_rows rows of width values, rows `stride` values apart
+ * (fastln_gn_view, fastln/group_norm.h). Plain loops in row order. */
+
+/* A group's statistics taken the careful way (fastln_ln_stats): its mean from values scaled by
+ * a power of two that keeps the sum within double's range, then the variance around that mean
+ * from deviations scaled to about 1 (ldexp is exact), as ln_wide_mean and ln_rescaled_rstd do
+ * for a row. A group holding a NaN or an Inf, or whose deviations are beyond double, gets NaN
+ * statistics (its values stay NaN). For the channels-last groups the sums cannot take. */
+static void FASTLN_NAME(gn_view_statistics)(const FASTLN_T *x, const fastln_gn_view *view,
+                                            double eps, fastln_ln_stats *stats)
+{
+    const double n = (double)(view->n_rows * view->width);
+    double largest = 0.0;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++)
+            largest = fmax(largest, fabs(FASTLN_NAME(to_double)(x[r * view->stride + j])));
+    for (int64_t r = 0; r < view->n_rows && isfinite(largest); r++)
+        for (int64_t j = 0; j < view->width; j++)
+            if (!isfinite(FASTLN_NAME(to_double)(x[r * view->stride + j]))) largest = NAN;
+    stats->shift = stats->mean_shifted = stats->var = stats->rstd = stats->rstd_scaled = NAN;
+    stats->exponent = 0;
+    if (!isfinite(largest)) return;
+    int top, count_bits;
+    frexp(largest, &top);
+    frexp(n, &count_bits); /* n < 2^count_bits: the scaled sum stays below 1 */
+    double sum = 0.0;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++)
+            sum += ldexp(FASTLN_NAME(to_double)(x[r * view->stride + j]), -top - count_bits);
+    const double mean = ldexp(sum / n, top + count_bits);
+    double spread = 0.0;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++)
+            spread = fmax(spread, fabs(FASTLN_NAME(to_double)(x[r * view->stride + j]) - mean));
+    stats->shift = mean;
+    if (isinf(spread)) return; /* deviations beyond double: NaN, as ln_statistics */
+    stats->mean_shifted = 0.0;
+    stats->var = 0.0;
+    stats->rstd = stats->rstd_scaled = 1.0 / sqrt(eps);
+    if (spread == 0.0) return; /* a constant group */
+    int exponent;
+    frexp(spread, &exponent);
+    double sum_d = 0.0, sumsq_d = 0.0;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++) {
+            const double d = ldexp(FASTLN_NAME(to_double)(x[r * view->stride + j]) - mean,
+                                   -exponent);
+            sum_d += d;
+            sumsq_d += d * d;
+        }
+    const double mean_scaled = sum_d / n;
+    double var = sumsq_d / n - mean_scaled * mean_scaled;
+    if (var < 0.0) var = 0.0;
+    stats->mean_shifted = ldexp(mean_scaled, exponent);
+    stats->var = var;
+    /* 1 / sqrt(var * 4^exponent + eps) = 2^-exponent / sqrt(var + eps * 4^-exponent); where
+     * eps * 4^-exponent passes DBL_MAX it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
+    const double eps_scaled = ldexp(eps, -2 * exponent);
+    if (eps_scaled > DBL_MAX) return;
+    stats->rstd_scaled = 1.0 / sqrt(var + eps_scaled);
+    stats->exponent = -exponent;
+    stats->rstd = ldexp(stats->rstd_scaled, -exponent); /* Inf when beyond double */
+}
+
+/* x_hat of one value from the careful statistics: 0 for a constant group. */
+FASTLN_INLINE double FASTLN_NAME(gn_rescaled_x_hat)(FASTLN_T value, const fastln_ln_stats *stats)
+{
+    if (stats->var == 0.0) return 0.0;
+    return ldexp((FASTLN_NAME(to_double)(value) - stats->shift) - stats->mean_shifted,
+                 stats->exponent) * stats->rstd_scaled;
+}
+
+/* y = gamma_c * x_hat + beta_c for a group whose rstd is beyond double's range, each deviation
+ * brought to about 1 first (ln_write_rescaled). In place is fine. */
+static void FASTLN_NAME(gn_write_rescaled)(const FASTLN_T *x, FASTLN_T *y,
+                                           const fastln_gn_view *view, const FASTLN_P *gamma,
+                                           const FASTLN_P *beta, const fastln_ln_stats *stats)
+{
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++) {
+            const int64_t at = r * view->stride + j, c = fastln_gn_view_channel(view, r, j);
+            double value = FASTLN_NAME(gn_rescaled_x_hat)(x[at], stats);
+            if (gamma) value *= (double)gamma[c];
+            if (beta) value += (double)beta[c];
+            y[at] = FASTLN_NAME(from_double)(value);
+        }
+}
+
+/* Whether a group's dy and x are all finite (and gamma over its channels). */
+static int FASTLN_NAME(gn_view_finite)(const FASTLN_T *dy, const FASTLN_T *x,
+                                       const fastln_gn_view *view, const FASTLN_P *gamma)
+{
+    int finite = 1;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++) {
+            const int64_t at = r * view->stride + j, c = fastln_gn_view_channel(view, r, j);
+            finite &= isfinite(FASTLN_NAME(to_double)(dy[at]))
+                      && isfinite(FASTLN_NAME(to_double)(x[at]))
+                      && (!gamma || isfinite((double)gamma[c]));
+        }
+    return finite;
+}
+
+/* Backward of a group from its statistics taken again from x (gn_view_statistics), all in
+ * double, as ln_backward_row_recomputed does for a row:
+ *     g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|,
+ *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), exponent + k),
+ * so no product leaves double's range unless dx itself does; a constant group has x_hat = 0 and
+ * rstd = 1 / sqrt(eps) (Inf with eps = 0). Adds each channel's dgamma and dbeta terms (indexed
+ * by channel - view->first_channel). For the groups whose cached rstd is Inf (beyond the cache's
+ * range, or a constant group with eps = 0) and those whose products overflow. dx may be dy. */
+static void FASTLN_NAME(gn_backward_recomputed)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                FASTLN_T *dx, const fastln_gn_view *view,
+                                                const FASTLN_P *gamma, double eps,
+                                                double *dgamma_terms, double *dbeta_terms)
+{
+    fastln_ln_stats stats;
+    FASTLN_NAME(gn_view_statistics)(x, view, eps, &stats);
+    const double n = (double)(view->n_rows * view->width);
+    double largest = 0.0;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++) {
+            const int64_t at = r * view->stride + j, c = fastln_gn_view_channel(view, r, j);
+            const double dx_hat = FASTLN_NAME(to_double)(dy[at]) * (gamma ? (double)gamma[c] : 1.0);
+            if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
+        }
+    int k = 0;
+    if (largest > 0.0) frexp(largest, &k);
+    double sum_g = 0.0, sum_g_xhat = 0.0;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++) {
+            const int64_t at = r * view->stride + j, c = fastln_gn_view_channel(view, r, j);
+            const double g = ldexp(FASTLN_NAME(to_double)(dy[at]), -k)
+                             * (gamma ? (double)gamma[c] : 1.0);
+            sum_g += g;
+            sum_g_xhat += g * FASTLN_NAME(gn_rescaled_x_hat)(x[at], &stats);
+        }
+    const double mean_g = sum_g / n, mean_g_xhat = sum_g_xhat / n;
+    for (int64_t r = 0; r < view->n_rows; r++)
+        for (int64_t j = 0; j < view->width; j++) {
+            const int64_t at = r * view->stride + j, c = fastln_gn_view_channel(view, r, j);
+            const double dy_value = FASTLN_NAME(to_double)(dy[at]);
+            const double x_hat = FASTLN_NAME(gn_rescaled_x_hat)(x[at], &stats);
+            const double g = ldexp(dy_value, -k) * (gamma ? (double)gamma[c] : 1.0);
+            dgamma_terms[c - view->first_channel] += dy_value * x_hat;
+            dbeta_terms[c - view->first_channel] += dy_value;
+            dx[at] = FASTLN_NAME(from_double)(
+                ldexp(stats.rstd_scaled * ((g - mean_g) - x_hat * mean_g_xhat), stats.exponent + k));
+        }
+}

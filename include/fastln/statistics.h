@@ -346,3 +346,36 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_stats_segments)(
     *sum_out = fastln_reduce_slots(sum_slots);
     *sumsq_out = fastln_reduce_slots(sumsq_slots);
 }
+
+/* ---- GroupNorm: a (sample, group) -----------------------------------------------------------
+ * Channels first, a group is a contiguous run of n values (fastln/group_norm.h): its pieces are
+ * summed with LayerNorm's ln_sums, shifted by the run's first value; channels last, its blocks
+ * are summed with BatchNorm's bn_stats_rows (entries.h). */
+
+/* sum(d) and sum(d * d), d = x - shift, of each piece of `piece` values of a run of n values,
+ * into sums[2 * p] and sums[2 * p + 1] for pieces [first, last). */
+FASTLN_INLINE void FASTLN_NAME(gn_piece_sums)(const FASTLN_T *x, int64_t n, int64_t piece,
+                                              int64_t first, int64_t last, double shift,
+                                              double *sums)
+{
+    for (int64_t p = first; p < last; p++)
+        FASTLN_NAME(ln_sums)(x + p * piece, fastln_min(piece, n - p * piece), shift,
+                             &sums[2 * p], &sums[2 * p + 1]);
+}
+
+/* The statistics of a channels-first group of n values from its pieces' sums (added in piece
+ * order); the groups those cannot take (fastln_gn_statistics_from_sums) are taken again as a
+ * LayerNorm row. A group of one piece gets exactly the statistics of that row. */
+FASTLN_INLINE void FASTLN_NAME(gn_run_statistics)(const FASTLN_T *x, int64_t n,
+                                                  const double *sums, int64_t n_pieces,
+                                                  double eps, fastln_ln_stats *stats)
+{
+    double sum = 0.0, sumsq = 0.0;
+    for (int64_t p = 0; p < n_pieces; p++) {
+        sum += sums[2 * p];
+        sumsq += sums[2 * p + 1];
+    }
+    if (!fastln_gn_statistics_from_sums(FASTLN_NAME(to_double)(x[0]), sum, sumsq, (double)n, eps,
+                                        stats))
+        FASTLN_NAME(ln_statistics)(x, n, eps, stats);
+}

@@ -6,7 +6,7 @@ pure-Python version every kernel is tested against.
 
 Optional companions, imported on demand (their dependencies are optional): ``fastln.torch``
 (PyTorch modules), ``fastln.dask`` (Dask arrays). float16 and bfloat16 (``ml_dtypes``) inputs
-work with layer_norm, rms_norm and the fused add variants.
+work with every function.
 
 The functions that run the compiled kernels are imported with the package; where the extension
 cannot be loaded (a broken build), ``import fastln.reference`` and the cache classes still work,
@@ -16,7 +16,7 @@ build does not take the readable oracle with it.
 import importlib
 
 from fastln import reference
-from fastln._caches import BatchNormCache, LayerNormCache, RMSNormCache
+from fastln._caches import BatchNormCache, GroupNormCache, LayerNormCache, RMSNormCache
 from fastln._version import __version__
 
 # Public name -> the module that defines it (each of these loads the compiled kernels).
@@ -29,6 +29,12 @@ _COMPILED = {
     "batch_norm_backward": "fastln._batch_norm",
     "batch_norm_forward": "fastln._batch_norm",
     "get_num_threads": "fastln._threads",
+    "group_norm": "fastln._group_norm",
+    "group_norm_backward": "fastln._group_norm",
+    "group_norm_forward": "fastln._group_norm",
+    "instance_norm": "fastln._group_norm",
+    "instance_norm_backward": "fastln._group_norm",
+    "instance_norm_forward": "fastln._group_norm",
     "layer_norm": "fastln._row_norms",
     "layer_norm_backward": "fastln._row_norms",
     "layer_norm_forward": "fastln._row_norms",
@@ -42,7 +48,8 @@ _COMPILED = {
     "show_config": "fastln._config",
 }
 
-__all__ = sorted(["BatchNormCache", "LayerNormCache", "RMSNormCache", "__version__",
+__all__ = sorted(["BatchNormCache", "GroupNormCache", "LayerNormCache", "RMSNormCache",
+                  "__version__",
                   *_COMPILED])
 
 

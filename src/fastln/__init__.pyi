@@ -12,6 +12,7 @@ __version__: str
 
 __all__ = [
     "BatchNormCache",
+    "GroupNormCache",
     "LayerNormCache",
     "RMSNormCache",
     "__version__",
@@ -23,6 +24,12 @@ __all__ = [
     "batch_norm_backward",
     "batch_norm_forward",
     "get_num_threads",
+    "group_norm",
+    "group_norm_backward",
+    "group_norm_forward",
+    "instance_norm",
+    "instance_norm_backward",
+    "instance_norm_forward",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_forward",
@@ -81,6 +88,78 @@ class BatchNormCache:
                  axis: int, eps: float, training: bool, dtype: np.dtype[Any]) -> None: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
+
+class GroupNormCache:
+    op: Literal["group_norm"]
+    x: _Array
+    mean: _Array
+    rstd: _Array
+    num_groups: int
+    channel_axis: int
+    eps: float
+    dtype: np.dtype[Any]
+    def __init__(self, x: _Array, mean: _Array, rstd: _Array, num_groups: int,
+                 channel_axis: int, eps: float, dtype: np.dtype[Any]) -> None: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+# --- GroupNorm and InstanceNorm ----------------------------------------------------------------
+
+@overload
+def group_norm(x: npt.NDArray[_Float], num_groups: int, gamma: _Param = None,
+               beta: _Param = None, eps: float = 1e-5, *, channel_axis: int = 1,
+               out: npt.NDArray[_Float] | None = None,
+               num_threads: int | None = None) -> npt.NDArray[_Float]: ...
+@overload
+def group_norm(x: npt.ArrayLike, num_groups: int, gamma: _Param = None, beta: _Param = None,
+               eps: float = 1e-5, *, channel_axis: int = 1, out: _Array | None = None,
+               num_threads: int | None = None) -> _Array: ...
+@overload
+def group_norm_forward(x: npt.NDArray[_Float], num_groups: int, gamma: _Param = None,
+                       beta: _Param = None, eps: float = 1e-5, *, channel_axis: int = 1,
+                       out: npt.NDArray[_Float] | None = None, num_threads: int | None = None
+                       ) -> tuple[npt.NDArray[_Float], GroupNormCache]: ...
+@overload
+def group_norm_forward(x: npt.ArrayLike, num_groups: int, gamma: _Param = None,
+                       beta: _Param = None, eps: float = 1e-5, *, channel_axis: int = 1,
+                       out: _Array | None = None, num_threads: int | None = None
+                       ) -> tuple[_Array, GroupNormCache]: ...
+@overload
+def group_norm_backward(dy: npt.NDArray[_Float], cache: GroupNormCache, gamma: _Param = None,
+                        *, out: npt.NDArray[_Float] | None = None, num_threads: int | None = None
+                        ) -> tuple[npt.NDArray[_Float], _Array, _Array]: ...
+@overload
+def group_norm_backward(dy: npt.ArrayLike, cache: GroupNormCache, gamma: _Param = None, *,
+                        out: _Array | None = None, num_threads: int | None = None
+                        ) -> tuple[_Array, _Array, _Array]: ...
+@overload
+def instance_norm(x: npt.NDArray[_Float], gamma: _Param = None, beta: _Param = None,
+                  eps: float = 1e-5, *, channel_axis: int = 1,
+                  out: npt.NDArray[_Float] | None = None,
+                  num_threads: int | None = None) -> npt.NDArray[_Float]: ...
+@overload
+def instance_norm(x: npt.ArrayLike, gamma: _Param = None, beta: _Param = None,
+                  eps: float = 1e-5, *, channel_axis: int = 1, out: _Array | None = None,
+                  num_threads: int | None = None) -> _Array: ...
+@overload
+def instance_norm_forward(x: npt.NDArray[_Float], gamma: _Param = None, beta: _Param = None,
+                          eps: float = 1e-5, *, channel_axis: int = 1,
+                          out: npt.NDArray[_Float] | None = None,
+                          num_threads: int | None = None
+                          ) -> tuple[npt.NDArray[_Float], GroupNormCache]: ...
+@overload
+def instance_norm_forward(x: npt.ArrayLike, gamma: _Param = None, beta: _Param = None,
+                          eps: float = 1e-5, *, channel_axis: int = 1, out: _Array | None = None,
+                          num_threads: int | None = None) -> tuple[_Array, GroupNormCache]: ...
+@overload
+def instance_norm_backward(dy: npt.NDArray[_Float], cache: GroupNormCache,
+                           gamma: _Param = None, *, out: npt.NDArray[_Float] | None = None,
+                           num_threads: int | None = None
+                           ) -> tuple[npt.NDArray[_Float], _Array, _Array]: ...
+@overload
+def instance_norm_backward(dy: npt.ArrayLike, cache: GroupNormCache, gamma: _Param = None, *,
+                           out: _Array | None = None, num_threads: int | None = None
+                           ) -> tuple[_Array, _Array, _Array]: ...
 
 # --- LayerNorm ---------------------------------------------------------------------------------
 

@@ -8,7 +8,13 @@ import numbers
 
 import numpy as np
 
-from fastln._checks import describe, output_dtype, plain_ndarray, refuse_masked
+from fastln._checks import (
+    describe,
+    group_layout,
+    output_dtype,
+    plain_ndarray,
+    refuse_masked,
+)
 
 
 class RowNormCache:
@@ -117,12 +123,115 @@ class BatchNormCache:
                 f"eps={self.eps}, training={self.training})")
 
 
+class GroupNormCache:
+    """What group_norm_backward (and instance_norm_backward) needs from a forward call, in
+    O(N * num_groups) memory.
+
+    Attributes
+    ----------
+    x : ndarray
+        The forward's input itself, not a copy: it must not be modified before the backward.
+    mean, rstd : ndarray of shape (N, num_groups), in y's dtype (float32 for float16/bfloat16)
+        Each (sample, group)'s mean and 1 / sqrt(var + eps); rstd is inf where that exceeds
+        the dtype's range (the backward then takes that group's statistics again from x).
+    num_groups : int
+        The groups of channels (``C`` for :func:`fastln.instance_norm_forward`, whose cache this
+        is too).
+    channel_axis : int
+        1 (x of shape (N, C, *spatial)) or x.ndim - 1 (channels last).
+    eps : float
+    dtype : numpy.dtype
+        y's dtype.
+    """
+
+    op = "group_norm"
+    __slots__ = ("x", "mean", "rstd", "num_groups", "channel_axis", "eps", "dtype")
+
+    def __init__(self, x, mean, rstd, num_groups, channel_axis, eps, dtype):
+        self.x = x
+        self.mean = mean
+        self.rstd = rstd
+        self.num_groups = num_groups
+        self.channel_axis = channel_axis
+        self.eps = eps
+        self.dtype = dtype
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def __repr__(self):
+        return (f"GroupNormCache(shape={self.shape}, num_groups={self.num_groups}, "
+                f"channel_axis={self.channel_axis}, dtype={self.dtype.name}, eps={self.eps})")
+
+
 # The statistics each operation's cache holds, and the shape they must have for x and axis.
 _CACHE_STATISTICS = {
     "layer_norm": (("mean", "rstd"), lambda shape, axis: shape[:axis]),
     "rms_norm": (("rstd",), lambda shape, axis: shape[:axis]),
     "batch_norm": (("mean", "rstd"), lambda shape, axis: (shape[axis],)),
 }
+
+
+def _checked_x(cache):
+    x = cache.x
+    refuse_masked(x, "cache.x")
+    if not issubclass(type(x), np.ndarray) or plain_ndarray(x).ndim == 0:
+        raise ValueError(f"cache.x must be the forward's input array, got {type(x).__name__}")
+    return plain_ndarray(x)
+
+
+def _checked_eps(cache):
+    eps = cache.eps
+    if not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+        raise ValueError(f"cache.eps must be a finite number >= 0, got {describe(eps)}")
+    try:
+        return float(eps)
+    except (OverflowError, ValueError):
+        raise ValueError("cache.eps must be a finite number >= 0, got a number beyond float64")
+
+
+def _checked_statistic(cache, name, expected_shape, x):
+    statistic = getattr(cache, name)
+    refuse_masked(statistic, f"cache.{name}")
+    if (not issubclass(type(statistic), np.ndarray)
+            or plain_ndarray(statistic).dtype.kind != "f"):
+        raise ValueError(f"cache.{name} must be a floating ndarray, "
+                         f"got {type(statistic).__name__}")
+    statistic = plain_ndarray(statistic)
+    if statistic.shape != expected_shape:
+        raise ValueError(f"cache.{name} has shape {statistic.shape}, expected "
+                         f"{expected_shape} for x of shape {x.shape}")
+    return statistic
+
+
+def _checked_dtype(cache, x):
+    dtype = cache.dtype
+    if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x"):
+        raise ValueError(f"cache.dtype {describe(dtype)} does not match cache.x ({x.dtype})")
+    return dtype
+
+
+def _checked_group_norm(cache, x):
+    """_checked_contents for a GroupNormCache: num_groups and channel_axis must describe x as
+    the forward saw it (their errors name the cache's field)."""
+    channel_axis = cache.channel_axis
+    if isinstance(channel_axis, (bool, np.bool_)) or not isinstance(channel_axis, numbers.Integral) \
+            or x.ndim < 2 or int(channel_axis) not in (1, x.ndim - 1):
+        raise ValueError(f"cache.channel_axis must be 1 or {max(x.ndim - 1, 1)} for x of shape "
+                         f"{x.shape}, got {describe(channel_axis)}")
+    num_groups = cache.num_groups
+    if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, numbers.Integral):
+        raise ValueError(f"cache.num_groups must be an int, got {describe(num_groups)}")
+    try:
+        layout = group_layout(x.shape, int(num_groups), int(channel_axis), "cache.num_groups")
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the cache does not describe x of shape {x.shape}: {error}") from None
+    eps = _checked_eps(cache)
+    mean = _checked_statistic(cache, "mean", layout.statistics_shape, x)
+    rstd = _checked_statistic(cache, "rstd", layout.statistics_shape, x)
+    dtype = _checked_dtype(cache, x)
+    return GroupNormCache(x, mean, rstd, layout.n_groups, layout.channel_axis, eps, dtype)
 
 
 def _checked_contents(cache, op):
@@ -133,40 +242,19 @@ def _checked_contents(cache, op):
     (see plain_ndarray): the sizes the backward hands the kernels come from these, not from a
     subclass's attributes or from a second read of a field that has changed since.
     """
-    x = cache.x
-    refuse_masked(x, "cache.x")
-    if not issubclass(type(x), np.ndarray) or plain_ndarray(x).ndim == 0:
-        raise ValueError(f"cache.x must be the forward's input array, got {type(x).__name__}")
-    x = plain_ndarray(x)
+    x = _checked_x(cache)
+    if op == "group_norm":
+        return _checked_group_norm(cache, x)
     axis = cache.axis
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral) \
             or not 0 <= axis < x.ndim:
         raise ValueError(f"cache.axis must be an int in [0, {x.ndim}), got {describe(axis)}")
     axis = int(axis)
-    eps = cache.eps
-    if not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
-        raise ValueError(f"cache.eps must be a finite number >= 0, got {describe(eps)}")
-    try:
-        eps = float(eps)
-    except (OverflowError, ValueError):
-        raise ValueError("cache.eps must be a finite number >= 0, got a number beyond float64")
+    eps = _checked_eps(cache)
     names, expected_shape = _CACHE_STATISTICS[op]
-    statistics = {}
-    for name in names:
-        statistic = getattr(cache, name)
-        refuse_masked(statistic, f"cache.{name}")
-        if (not issubclass(type(statistic), np.ndarray)
-                or plain_ndarray(statistic).dtype.kind != "f"):
-            raise ValueError(f"cache.{name} must be a floating ndarray, "
-                             f"got {type(statistic).__name__}")
-        statistic = plain_ndarray(statistic)
-        if statistic.shape != tuple(expected_shape(x.shape, axis)):
-            raise ValueError(f"cache.{name} has shape {statistic.shape}, expected "
-                             f"{tuple(expected_shape(x.shape, axis))} for x of shape {x.shape}")
-        statistics[name] = statistic
-    dtype = cache.dtype
-    if not isinstance(dtype, np.dtype) or dtype != output_dtype(x.dtype, "cache.x"):
-        raise ValueError(f"cache.dtype {describe(dtype)} does not match cache.x ({x.dtype})")
+    shape = tuple(expected_shape(x.shape, axis))
+    statistics = {name: _checked_statistic(cache, name, shape, x) for name in names}
+    dtype = _checked_dtype(cache, x)
     if op == "layer_norm":
         return LayerNormCache(x, statistics["mean"], statistics["rstd"], axis, eps, dtype)
     if op == "rms_norm":
@@ -178,19 +266,21 @@ def _checked_contents(cache, op):
                           dtype)
 
 
-def check_cache(cache, dy, op):
-    """The cache must come from a forward of `op` with y of dy's shape and dtype.
+def check_cache(cache, dy, op, name=None):
+    """The cache must come from a forward of `op` with y of dy's shape and dtype; `name` is the
+    operation the errors name (op itself by default: instance_norm's cache is group_norm's).
 
     Returns the checked copy of the cache (see _checked_contents): a backward reads its fields
     from that copy, never again from the caller's object.
     """
+    name = op if name is None else name
     if not hasattr(cache, "op") or not hasattr(cache, "x"):
-        raise TypeError(f"cache must be the cache returned by {op}_forward, "
+        raise TypeError(f"cache must be the cache returned by {name}_forward, "
                         f"got {type(cache).__name__}")
     cache_op = cache.op
     if cache_op != op:
-        raise ValueError(f"cache comes from {cache_op}_forward; {op}_backward needs the cache "
-                         f"of {op}_forward")
+        raise ValueError(f"cache comes from {cache_op}_forward; {name}_backward needs the "
+                         f"cache of {name}_forward")
     checked = _checked_contents(cache, op)
     if dy.shape != checked.shape:
         raise ValueError(f"dy has shape {dy.shape}, but the cache is for x of shape "

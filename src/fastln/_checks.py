@@ -9,6 +9,7 @@ import decimal
 import math
 import numbers
 import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -220,14 +221,21 @@ def check_input(x, name="x"):
     return x, dtype
 
 
-def check_param(param, name, expected_shape, dtype):
-    """gamma/beta: None, or an array of exactly `expected_shape`, cast to `dtype` and flattened."""
-    if param is None:
-        return None
+def _real_array(param, name, dtype):
+    """A parameter as an array of a real floating, integer or bool dtype (TypeError naming it
+    otherwise); it is to be cast to `dtype`."""
     array = as_array(param, name)
     if array.dtype.kind not in "biuf" and not is_half(array.dtype):
         raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
                         f"floating, integer or bool array (it is cast to {dtype.name})")
+    return array
+
+
+def check_param(param, name, expected_shape, dtype):
+    """gamma/beta: None, or an array of exactly `expected_shape`, cast to `dtype` and flattened."""
+    if param is None:
+        return None
+    array = _real_array(param, name, dtype)
     if array.shape != tuple(expected_shape):
         raise ValueError(f"{name} has shape {array.shape}, expected x.shape[axis:] = "
                          f"{tuple(expected_shape)}")
@@ -307,11 +315,8 @@ def check_feature_param(param, name, n_features, dtype):
     output `dtype` (compute_dtype), as float64."""
     if param is None:
         return None
-    array = as_array(param, name)
     dtype = compute_dtype(dtype)
-    if array.dtype.kind not in "biuf" and not is_half(array.dtype):
-        raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected a real "
-                        f"floating, integer or bool array (it is cast to {dtype.name})")
+    array = _real_array(param, name, dtype)
     if array.shape != (n_features,):
         raise ValueError(f"{name} has shape {array.shape}, expected (x.shape[axis],) = "
                          f"({n_features},)")
@@ -393,3 +398,83 @@ def check_batch_norm_args(x, gamma, beta, running_mean, running_var, training, m
                          f"x has shape {x.shape} with feature axis {axis}")
     return (x, dtype, axis, (n_outer, n_features, n_inner), gamma, beta, running_mean,
             running_var, training, momentum, eps, num_threads)
+
+
+# GroupNorm's arguments: x is (N, C, *spatial) with channel_axis=1, (N, *spatial, C) with
+# channel_axis=-1; statistics per (sample, group of C / num_groups channels).
+
+class GroupLayout(NamedTuple):
+    """x as (n_samples, n_channels, n_spatial) - channels first - or (n_samples, n_spatial,
+    n_channels) - channels last; channel_axis is 1 or x.ndim - 1."""
+    n_samples: int
+    n_channels: int
+    n_groups: int
+    n_spatial: int
+    channel_axis: int
+
+    @property
+    def channels_last(self):
+        # For (N, C) arrays both layouts are the same: one spatial position.
+        return self.channel_axis > 1
+
+    @property
+    def statistics_shape(self):
+        """The shape of a cache's mean and rstd: (N, num_groups)."""
+        return (self.n_samples, self.n_groups)
+
+
+def normalize_channel_axis(channel_axis, ndim, name="channel_axis"):
+    """1 (channels first, as NCHW) or ndim - 1 (channels last); -1 counts from the end."""
+    index = check_int_argument(channel_axis, name)
+    if ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (N, C, *spatial), got {ndim}")
+    if index not in (1, -1, ndim - 1):
+        raise ValueError(f"{name} must be 1 (x of shape (N, C, *spatial)) or -1 (x of shape "
+                         f"(N, *spatial, C)), got {describe(index)}")
+    return 1 if index == 1 else ndim - 1
+
+
+def group_layout(shape, num_groups, channel_axis, name="num_groups"):
+    """The GroupLayout of x's shape; num_groups None means one group per channel (InstanceNorm).
+    num_groups must be a positive int dividing the channel count."""
+    axis = normalize_channel_axis(channel_axis, len(shape))
+    n_channels = shape[axis]
+    if n_channels == 0:
+        raise ValueError(f"x has shape {tuple(shape)}: no channels along axis {axis}")
+    if num_groups is None:
+        groups = n_channels
+    else:
+        groups = check_int_argument(num_groups, name)
+        if groups < 1 or n_channels % groups != 0:
+            raise ValueError(f"{name} must be a positive int dividing the {n_channels} "
+                             f"channels of x, got {describe(groups)}")
+    spatial = shape[2:] if axis == 1 else shape[1:-1]
+    n_spatial = math.prod(spatial)
+    if n_spatial == 0:
+        raise ValueError(f"x has shape {tuple(shape)}: its spatial extent {tuple(spatial)} is "
+                         "empty, so a group has nothing to normalize")
+    return GroupLayout(shape[0], n_channels, groups, n_spatial, axis)
+
+
+def check_channel_param(param, name, n_channels, dtype):
+    """gamma/beta of GroupNorm: None, or shape (C,), cast to `dtype` (the parameter dtype)."""
+    if param is None:
+        return None
+    array = _real_array(param, name, dtype)
+    if array.shape != (n_channels,):
+        raise ValueError(f"{name} has shape {array.shape}, expected (C,) = ({n_channels},), "
+                         "one value per channel")
+    return as_kernel_array(array, dtype)
+
+
+def check_group_norm_args(x, num_groups, gamma, beta, eps, channel_axis, num_threads):
+    """Every check of group_norm's arguments, before any work (num_groups None: one group per
+    channel); returns x, its output dtype, the GroupLayout, gamma, beta, eps, num_threads."""
+    x, dtype = check_input(x)
+    layout = group_layout(x.shape, num_groups, channel_axis)
+    stats_dtype = compute_dtype(dtype)
+    gamma = check_channel_param(gamma, "gamma", layout.n_channels, stats_dtype)
+    beta = check_channel_param(beta, "beta", layout.n_channels, stats_dtype)
+    eps = check_eps(eps)
+    num_threads = check_num_threads(num_threads)
+    return x, dtype, layout, gamma, beta, eps, num_threads

@@ -3,12 +3,13 @@
 
 One binding entry per operation and direction (layer_norm_forward, layer_norm_backward,
 rms_norm_forward, rms_norm_backward, add_layer_norm_forward, add_rms_norm_forward,
-batch_norm_forward, batch_norm_backward). Each takes kernel-ready arrays - C-contiguous, aligned,
-native byte order, of the storage type `storage` (FLOAT16, BFLOAT16, FLOAT32, FLOAT64) and, for
-parameters and statistics, of its parameter type (float32, or float64 for float64) - that the
-Python layer has checked, fills the C call structure, and runs the operation's phases through one
-driver (_run), with the GIL released. The storage type picks the row of the dispatch table; the
-instruction set (chosen at import) picks the table.
+batch_norm_forward, batch_norm_backward, group_norm_forward, group_norm_backward). Each takes
+kernel-ready arrays - C-contiguous, aligned, native byte order, of the storage type `storage`
+(FLOAT16, BFLOAT16, FLOAT32, FLOAT64) and, for parameters and statistics, of its parameter type
+(float32, or float64 for float64) - that the Python layer has checked, fills the C call
+structure, and runs the operation's phases through one driver (_run), with the GIL released.
+The storage type picks the row of the dispatch table; the instruction set (chosen at import)
+picks the table.
 
 At the end, the recognisers of small common calls (row_norm_forward_fast,
 row_norm_backward_fast): for one 768-wide row the Python checks would cost several times the
@@ -100,6 +101,26 @@ cdef extern from "fastln/kernels.h" nogil:
         int64_t *finish
         int64_t *n_finish
 
+    ctypedef struct fastln_gn_call:
+        const void *x
+        const void *dy
+        void *y
+        void *dx
+        const void *gamma
+        const void *beta
+        void *mean
+        void *rstd
+        void *dgamma
+        void *dbeta
+        int64_t n_samples, n_channels, n_groups, n_spatial
+        int channels_last, streaming
+        double eps
+        int64_t n_pieces, piece
+        double *partials
+        double *channel_scratch
+        double *group_scratch
+        int64_t *rare
+
     enum:
         FASTLN_FLOAT16, FASTLN_BFLOAT16, FASTLN_FLOAT32, FASTLN_FLOAT64
         FASTLN_ISA_BASE, FASTLN_ISA_AVX2, FASTLN_ISA_AVX512
@@ -109,6 +130,9 @@ cdef extern from "fastln/kernels.h" nogil:
         FASTLN_BN_TRAIN_CONSTANTS, FASTLN_BN_APPLY, FASTLN_BN_FINISH_RESCALED
         FASTLN_BN_BACKWARD_SUMS, FASTLN_BN_BACKWARD_CONSTANTS, FASTLN_BN_BACKWARD_APPLY
         FASTLN_BN_BACKWARD_FINISH_RESCALED, FASTLN_WIDEN, FASTLN_NARROW
+        FASTLN_GN_FORWARD_GROUPS, FASTLN_GN_STATISTICS, FASTLN_GN_FINISH_STATISTICS
+        FASTLN_GN_APPLY, FASTLN_GN_FINISH_RARE, FASTLN_GN_BACKWARD_SUMS
+        FASTLN_GN_BACKWARD_CONSTANTS, FASTLN_GN_BACKWARD_APPLY
         FASTLN_MAX_BLOCKS
     float fastln_float16_to_float(uint16_t value)
     uint16_t fastln_float_to_float16(float value)
@@ -120,6 +144,11 @@ cdef extern from "fastln/kernels.h" nogil:
     int64_t fastln_row_blocks(int64_t n_rows)
     void fastln_bn_layout(fastln_bn_call *call, int64_t max_blocks)
     void fastln_bn_eval_constants(const fastln_bn_call *call)
+    void fastln_gn_layout(fastln_gn_call *call, int backward)
+    int64_t fastln_gn_piece_tasks(const fastln_gn_call *call, int backward)
+    int64_t fastln_gn_partials(const fastln_gn_call *call, int backward)
+    int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
+    int64_t fastln_gn_group_scratch(const fastln_gn_call *call)
 
 FLOAT16 = FASTLN_FLOAT16
 BFLOAT16 = FASTLN_BFLOAT16
@@ -201,6 +230,7 @@ def set_default_num_threads(int num_threads):
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
+    GN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
 
 
 cdef inline fastln_task _task(int storage, int task) noexcept nogil:
@@ -526,6 +556,109 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
             _run(_task(storage, FASTLN_BN_BACKWARD_FINISH_RESCALED), &call, 1, 0, 1)
     free(scratch)
     free(call.partials)
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupNorm: x is a C-contiguous (n_samples, n_channels, n_spatial) array, or (n_samples,
+# n_spatial, n_channels) channels last; statistics per (sample, group)
+# ---------------------------------------------------------------------------------------------
+
+cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
+                  Py_ssize_t n_channels, Py_ssize_t n_groups, Py_ssize_t n_spatial,
+                  bint channels_last, object gamma, double eps, bint backward) except -1:
+    """The fields every GroupNorm call has, its layout and its zeroed scratch."""
+    call.x = cnp.PyArray_DATA(x)
+    call.dy = NULL
+    call.y = call.dx = NULL
+    call.gamma = _data(gamma)
+    call.beta = NULL
+    call.mean = call.rstd = call.dgamma = call.dbeta = NULL
+    call.n_samples = n_samples
+    call.n_channels = n_channels
+    call.n_groups = n_groups
+    call.n_spatial = n_spatial
+    call.channels_last = channels_last
+    call.streaming = cnp.PyArray_NBYTES(x) >= GN_MIN_BYTES_FOR_STREAMING
+    call.eps = eps
+    fastln_gn_layout(call, backward)
+    call.partials = <double*>calloc(max(fastln_gn_partials(call, backward), 1), sizeof(double))
+    call.channel_scratch = <double*>calloc(max(fastln_gn_channel_scratch(call), 1),
+                                           sizeof(double))
+    call.group_scratch = <double*>calloc(max(fastln_gn_group_scratch(call), 1), sizeof(double))
+    call.rare = <int64_t*>calloc(max(n_samples * n_groups, 1), sizeof(int64_t))
+    if (call.partials == NULL or call.channel_scratch == NULL or call.group_scratch == NULL
+            or call.rare == NULL):
+        _gn_free(call)
+        raise MemoryError("group_norm: cannot allocate the per-group scratch")
+    return 0
+
+
+cdef void _gn_free(fastln_gn_call *call) noexcept:
+    free(call.partials)
+    free(call.channel_scratch)
+    free(call.group_scratch)
+    free(call.rare)
+
+
+def group_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, object mean,
+                       object rstd, Py_ssize_t n_samples, Py_ssize_t n_channels,
+                       Py_ssize_t n_groups, Py_ssize_t n_spatial, bint channels_last,
+                       double eps, int storage, int num_threads):
+    """GroupNorm of x into y (both C-contiguous, n_samples * n_channels * n_spatial values, the
+    channels second or last); gamma, beta: (n_channels,) or None; mean, rstd: (n_samples *
+    n_groups,) outputs or None."""
+    cdef fastln_gn_call call
+    _gn_call(&call, x, n_samples, n_channels, n_groups, n_spatial, channels_last, gamma, eps,
+             False)
+    call.beta = _data(beta)
+    call.y = cnp.PyArray_DATA(y)
+    call.mean = <void*>_data(mean)
+    call.rstd = <void*>_data(rstd)
+    cdef int64_t n_elements = n_samples * n_channels * n_spatial
+    cdef int64_t n_group_tasks = n_samples * n_groups
+    cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(&call, 0)
+    with nogil:
+        # A task per group keeps each group in cache from its sums to its write; with fewer
+        # groups than threads can share out evenly, the same sums go by pieces instead.
+        if not channels_last and (call.n_pieces == 1 or n_group_tasks >= 4 * num_threads):
+            _run(_task(storage, FASTLN_GN_FORWARD_GROUPS), &call, n_group_tasks, n_elements,
+                 num_threads)
+        else:
+            _run(_task(storage, FASTLN_GN_STATISTICS), &call, n_piece_tasks, n_elements,
+                 num_threads)
+            _run(_task(storage, FASTLN_GN_FINISH_STATISTICS), &call, n_group_tasks, 0, 1)
+            _run(_task(storage, FASTLN_GN_APPLY), &call, n_piece_tasks, n_elements, num_threads)
+            if channels_last:
+                _run(_task(storage, FASTLN_GN_FINISH_RARE), &call, 1, 0, 1)
+    _gn_free(&call)
+
+
+def group_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
+                        cnp.ndarray rstd, cnp.ndarray dx, cnp.ndarray dgamma,
+                        cnp.ndarray dbeta, Py_ssize_t n_samples, Py_ssize_t n_channels,
+                        Py_ssize_t n_groups, Py_ssize_t n_spatial, bint channels_last,
+                        double eps, int storage, int num_threads):
+    """GroupNorm backward into dx (x's layout), dgamma and dbeta ((n_channels,), parameter
+    type); mean, rstd: the forward's (n_samples * n_groups,), eps the forward's (groups whose
+    cached rstd is Inf are done from x again)."""
+    cdef fastln_gn_call call
+    _gn_call(&call, x, n_samples, n_channels, n_groups, n_spatial, channels_last, gamma, eps,
+             True)
+    call.dy = cnp.PyArray_DATA(dy)
+    call.dx = cnp.PyArray_DATA(dx)
+    call.mean = cnp.PyArray_DATA(mean)
+    call.rstd = cnp.PyArray_DATA(rstd)
+    call.dgamma = cnp.PyArray_DATA(dgamma)
+    call.dbeta = cnp.PyArray_DATA(dbeta)
+    cdef int64_t n_elements = n_samples * n_channels * n_spatial
+    cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(&call, 1)
+    with nogil:
+        _run(_task(storage, FASTLN_GN_BACKWARD_SUMS), &call, n_piece_tasks, n_elements,
+             num_threads)
+        _run(_task(storage, FASTLN_GN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
+        _run(_task(storage, FASTLN_GN_BACKWARD_APPLY), &call, n_piece_tasks, n_elements,
+             num_threads)
+    _gn_free(&call)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Normalization layers for models written in NumPy: ``LayerNorm``, ``RMSNorm``, ``BatchNorm``.
+"""Normalization layers for models written in NumPy: ``LayerNorm``, ``RMSNorm``, ``BatchNorm``,
+``GroupNorm``, ``InstanceNorm``.
 
 Each layer owns its parameters as NumPy arrays, named as in PyTorch (``weight`` is the scale
 gamma, ``bias`` the shift beta), so the ``state_dict`` of the matching ``torch.nn`` layer loads
@@ -18,7 +19,7 @@ unchanged and ours loads into torch after ``torch.from_numpy``::
     torch_layer.load_state_dict({k: torch.from_numpy(v)
                                  for k, v in norm.state_dict().items()})  # fastln -> torch
 
-Conventions shared by the three layers:
+Conventions shared by the layers:
 
 - **One dtype per layer** (``dtype=np.float32`` by default). Parameters, buffers and gradients
   have it, and inputs are converted to it (no copy when they already have it), as Keras converts
@@ -31,7 +32,7 @@ Conventions shared by the three layers:
 - **Gradients accumulate** into ``weight_grad`` / ``bias_grad`` (zeros at construction) until
   ``zero_grad()``, which zeroes them in place, like PyTorch's ``.grad``.
 - ``train()`` / ``eval()`` set ``training``. Only BatchNorm behaves differently (batch statistics
-  while training, running statistics in evaluation); LayerNorm and RMSNorm compute exactly the
+  while training, running statistics in evaluation); the others compute exactly the
   same thing in both modes (each sample is normalized with its own statistics).
 - ``state_dict()`` returns copies; ``load_state_dict()`` checks every key, shape and dtype before
   changing anything and then writes into the existing arrays, so references an optimizer holds
@@ -59,7 +60,7 @@ from fastln._checks import (
 )
 from fastln._threads import resolve_num_threads
 
-__all__ = ["BatchNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["BatchNorm", "GroupNorm", "InstanceNorm", "LayerNorm", "RMSNorm"]
 
 _MAX_BATCH_COUNT = 2**63 - 1  # num_batches_tracked is an int64, as in torch
 
@@ -148,7 +149,7 @@ def _saved_file(path):
 
 
 class _Layer:
-    """What the three layers share: modes, parameters, gradients, state dicts, files.
+    """What the layers share: modes, parameters, gradients, state dicts, files.
 
     A subclass sets ``_param_names`` (attributes holding parameters or None) and
     ``_buffer_names`` (non-trained state that is saved, such as running statistics), and
@@ -630,3 +631,115 @@ class BatchNorm(_Layer):
                 f"axis={self.axis}, affine={self.affine}, "
                 f"track_running_stats={self.track_running_stats}, dtype={self.dtype.name}"
                 f"{extra}, training={self.training})")
+
+
+class _ChannelGroupNorm(_Layer):
+    """GroupNorm and InstanceNorm: per-channel weight and bias, statistics per sample."""
+
+    def __init__(self, num_groups, num_channels, eps, affine, dtype, channel_axis,
+                 num_threads):
+        super().__init__(dtype, num_threads)
+        count = check_int_argument(num_channels, "num_channels")
+        if count < 1:
+            raise ValueError(f"num_channels must be a positive int, got {describe(count)}")
+        _check_allocatable(count, "num_channels", count)
+        self.num_channels = count
+        if num_groups is not None:
+            groups = check_int_argument(num_groups, "num_groups")
+            if groups < 1 or count % groups != 0:
+                raise ValueError(f"num_groups must be a positive int dividing num_channels = "
+                                 f"{count}, got {describe(groups)}")
+            self.num_groups = groups
+        self.eps = check_eps(eps)
+        self.affine = _check_bool(affine, "affine")
+        axis = check_int_argument(channel_axis, "channel_axis")
+        if axis not in (1, -1):
+            raise ValueError(f"channel_axis must be 1 or -1, got {describe(axis)}")
+        self.channel_axis = axis
+        self.weight = self.weight_grad = self.bias = self.bias_grad = None
+        if self.affine:
+            self.weight, self.weight_grad = self._make_param(count, 1)
+            self.bias, self.bias_grad = self._make_param(count, 0)
+
+    def _check_input_shape(self, shape):
+        name = type(self).__name__
+        if len(shape) < 2:
+            raise ValueError(f"{name} expects x of shape (N, C, *spatial) (or channels last), "
+                             f"got shape {tuple(shape)}")
+        if shape[self.channel_axis] != self.num_channels:
+            raise ValueError(f"{name} with {self.num_channels} channels expects "
+                             f"x.shape[{self.channel_axis}] = {self.num_channels}, got shape "
+                             f"{tuple(shape)}")
+
+    def _backward(self, dy, cache):
+        dx, dweight, dbias = fastln.group_norm_backward(dy, cache, self.weight,
+                                                        num_threads=self.num_threads)
+        return dx, ({"weight": dweight, "bias": dbias} if self.affine else {})
+
+
+class GroupNorm(_ChannelGroupNorm):
+    """Group normalization of (N, C, *spatial) inputs, as ``torch.nn.GroupNorm``: the C channels
+    in ``num_groups`` groups, each (sample, group) normalized over its channels and positions,
+    then each channel scaled by ``weight`` and shifted by ``bias``. The same in training and
+    evaluation mode. This is :func:`fastln.group_norm_forward` /
+    :func:`fastln.group_norm_backward`; the state dict of a ``torch.nn.GroupNorm`` loads.
+
+    Parameters
+    ----------
+    num_groups : int
+        A positive divisor of num_channels.
+    num_channels : int
+    eps : float, default 1e-5
+    affine : bool, default True
+        Learn ``weight`` (ones) and ``bias`` (zeros); False leaves both None.
+    dtype : float32 or float64, default float32
+    channel_axis : {1, -1}, default 1
+        -1 for channels-last (N, *spatial, C) inputs.
+    num_threads : int, optional
+    """
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, dtype=np.float32, *,
+                 channel_axis=1, num_threads=None):
+        super().__init__(num_groups, num_channels, eps, affine, dtype, channel_axis,
+                         num_threads)
+
+    def _forward(self, x):
+        return fastln.group_norm_forward(x, self.num_groups, self.weight, self.bias, self.eps,
+                                         channel_axis=self.channel_axis,
+                                         num_threads=self.num_threads)
+
+    def __repr__(self):
+        return (f"GroupNorm({self.num_groups}, {self.num_channels}, eps={self.eps}, "
+                f"affine={self.affine}, channel_axis={self.channel_axis}, "
+                f"dtype={self.dtype.name})")
+
+
+class InstanceNorm(_ChannelGroupNorm):
+    """Instance normalization of (N, C, *spatial) inputs: each (sample, channel) normalized over
+    its positions, as ``torch.nn.InstanceNorm2d`` with its default
+    ``track_running_stats=False`` (GroupNorm with one group per channel). The state dict of an
+    ``InstanceNorm1d/2d/3d(affine=True)`` loads.
+
+    Parameters
+    ----------
+    num_channels : int
+    eps : float, default 1e-5
+    affine : bool, default False
+        As torch's default: no ``weight`` and ``bias`` unless True.
+    dtype : float32 or float64, default float32
+    channel_axis : {1, -1}, default 1
+    num_threads : int, optional
+    """
+
+    def __init__(self, num_channels, eps=1e-5, affine=False, dtype=np.float32, *,
+                 channel_axis=1, num_threads=None):
+        super().__init__(None, num_channels, eps, affine, dtype, channel_axis, num_threads)
+
+    def _forward(self, x):
+        return fastln.instance_norm_forward(x, self.weight, self.bias, self.eps,
+                                            channel_axis=self.channel_axis,
+                                            num_threads=self.num_threads)
+
+    def __repr__(self):
+        return (f"InstanceNorm({self.num_channels}, eps={self.eps}, affine={self.affine}, "
+                f"channel_axis={self.channel_axis}, dtype={self.dtype.name})")

@@ -1,5 +1,5 @@
-"""The readable reference: LayerNorm, RMSNorm, the fused residual add and BatchNorm, forward and
-backward, written out formula by formula.
+"""The readable reference: LayerNorm, RMSNorm, the fused residual add, BatchNorm and GroupNorm
+(InstanceNorm), forward and backward, written out formula by formula.
 
 A loop over rows (over features for BatchNorm) in float64, written to be checked by eye, not to
 be fast. Every kernel in fastln is tested against these functions. float16 and bfloat16 inputs
@@ -21,12 +21,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fastln._caches import BatchNormCache, LayerNormCache, RMSNormCache, check_cache
+from fastln._caches import (
+    BatchNormCache,
+    GroupNormCache,
+    LayerNormCache,
+    RMSNormCache,
+    check_cache,
+)
 from fastln._checks import (
     as_array,
     check_batch_norm_args,
+    check_channel_param,
     check_eps,
     check_feature_param,
+    check_group_norm_args,
     check_input,
     check_num_threads,
     check_out,
@@ -571,3 +579,156 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     dx = _write_out(_cast(_from_feature_columns(dX, cache.shape, cache.axis), dtype), out)
     return dx, _cast(dGamma, compute_dtype(dtype)), _cast(dBeta, compute_dtype(dtype))
+
+
+# =============================================================================================
+# GroupNorm and InstanceNorm: LayerNorm of each (sample, group of channels), then a scale and
+# shift per channel
+# =============================================================================================
+
+__all__ += [
+    "group_norm", "group_norm_forward", "group_norm_backward",
+    "instance_norm", "instance_norm_forward", "instance_norm_backward",
+]
+
+
+def _channels_first(array, channel_axis):
+    """array as float64 (N, C, S): channels second, the spatial positions flattened."""
+    array = np.moveaxis(np.asarray(array, dtype=np.float64), channel_axis, 1)
+    return array.reshape(array.shape[0], array.shape[1], -1)
+
+
+def _from_channels_first(values, shape, channel_axis):
+    """The inverse of _channels_first for an array of `shape`."""
+    moved = list(shape)
+    moved.insert(1, moved.pop(channel_axis))
+    return np.moveaxis(values.reshape(moved), 1, channel_axis)
+
+
+def _group_norm(name, x, num_groups, gamma, beta, eps, channel_axis, out, num_threads,
+                keep_cache):
+    x, dtype, layout, gamma, beta, eps, _ = check_group_norm_args(
+        x, num_groups, gamma, beta, eps, channel_axis, num_threads)
+    stats_dtype = compute_dtype(dtype)
+    if out is not None:
+        check_out(out, x.shape, dtype)
+        if keep_cache:
+            check_out_keeps_x(out, x, name)
+    N, C, G = layout.n_samples, layout.n_channels, layout.n_groups
+    per_group = C // G
+    X = _channels_first(x, layout.channel_axis)           # (N, C, S)
+    gamma = np.ones(C) if gamma is None else gamma.astype(np.float64)
+    beta = np.zeros(C) if beta is None else beta.astype(np.float64)
+
+    Y = np.zeros(X.shape)
+    means = np.zeros((N, G))
+    std_invs = np.zeros((N, G))
+    for n in range(N):
+        for g in range(G):
+            channels = slice(g * per_group, (g + 1) * per_group)
+            group = _standardize(X[n, channels, :].ravel(), eps)  # its channels x positions
+            x_hat = group.x_hat.reshape(per_group, -1)
+            with np.errstate(over="ignore", invalid="ignore"):
+                Y[n, channels, :] = gamma[channels, None] * x_hat + beta[channels, None]
+            means[n, g], std_invs[n, g] = group.mean, group.std_inv
+
+    result = _write_out(_cast(_from_channels_first(Y, x.shape, layout.channel_axis), dtype), out)
+    cache = GroupNormCache(x, _cast(means, stats_dtype), _cast(std_invs, stats_dtype), G,
+                           layout.channel_axis, eps, dtype)
+    return result, cache
+
+
+def group_norm_forward(x, num_groups, gamma=None, beta=None, eps=1e-5, *, channel_axis=1,
+                       out=None, num_threads=None):
+    """GroupNorm, ``y = gamma_c * (x - mean) / sqrt(var + eps) + beta_c``, with the mean and
+    population variance of each (sample, group of C / num_groups channels) over its channels and
+    every spatial position; returns (y, cache), the cache a :class:`fastln.GroupNormCache`."""
+    return _group_norm("group_norm", x, num_groups, gamma, beta, eps, channel_axis, out,
+                       num_threads, keep_cache=True)
+
+
+def group_norm(x, num_groups, gamma=None, beta=None, eps=1e-5, *, channel_axis=1, out=None,
+               num_threads=None):
+    """y of :func:`group_norm_forward`; out may be x itself (in place)."""
+    return _group_norm("group_norm", x, num_groups, gamma, beta, eps, channel_axis, out,
+                       num_threads, keep_cache=False)[0]
+
+
+def _group_norm_backward(name, dy, cache, gamma, out, num_threads):
+    dy = as_array(dy, "dy")
+    cache = check_cache(cache, dy, "group_norm", name)
+    dtype = cache.dtype
+    stats_dtype = compute_dtype(dtype)
+    C = cache.shape[cache.channel_axis]
+    if name == "instance_norm" and cache.num_groups != C:
+        raise ValueError(f"cache comes from group_norm_forward with num_groups="
+                         f"{cache.num_groups}; instance_norm_backward needs one group per "
+                         f"channel ({C}): use group_norm_backward")
+    gamma = check_channel_param(gamma, "gamma", C, stats_dtype)
+    check_num_threads(num_threads)
+    if out is not None:
+        check_out(out, cache.shape, dtype)
+
+    X = _channels_first(cache.x, cache.channel_axis)      # (N, C, S)
+    dY = _channels_first(dy, cache.channel_axis)
+    N, G = X.shape[0], cache.num_groups
+    per_group = C // G
+    gamma, g_exp = _scaled_gamma(gamma, C)                  # gamma * 2**g_exp
+    channel_exponents = _unit_exponent(dY.transpose(1, 0, 2).reshape(C, -1).T, axis=0)
+
+    dGamma = np.zeros(C)
+    dBeta = np.zeros(C)
+    dX = np.zeros(X.shape)
+    for n in range(N):
+        for g in range(G):
+            channels = slice(g * per_group, (g + 1) * per_group)
+            # The cache holds x rather than x_hat (O(groups) memory): recompute it.
+            group = _standardize(X[n, channels, :].ravel(), cache.eps)
+            x_hat = group.x_hat.reshape(per_group, -1)
+            H = x_hat.size
+            dy_group = dY[n, channels, :]
+            with np.errstate(invalid="ignore"):     # NaN in dy (or x) makes its sums NaN
+                dy_channels = _ldexp(dy_group, channel_exponents[channels, None])
+                dGamma[channels] += np.sum(dy_channels * x_hat, axis=1)
+                dBeta[channels] += np.sum(dy_channels, axis=1)
+                j = int(_unit_exponent(dy_group))
+                # dy * gamma_c * 2**(j + g_exp): the chain through each channel's scale
+                dx_hat = _ldexp(dy_group, j) * gamma[channels, None]
+                bracket = H * dx_hat - np.sum(dx_hat) - x_hat * np.sum(dx_hat * x_hat)
+                dX[n, channels, :] = _ldexp(_divide(bracket / H, group.root),
+                                            -group.exponent - j - g_exp)
+
+    dx = _write_out(_cast(_from_channels_first(dX, cache.shape, cache.channel_axis), dtype), out)
+    dGamma = _ldexp(dGamma, -channel_exponents)
+    dBeta = _ldexp(dBeta, -channel_exponents)
+    return dx, _cast(dGamma, stats_dtype), _cast(dBeta, stats_dtype)
+
+
+def group_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
+    """GroupNorm backward; returns (dx, dgamma, dbeta). Per (sample, group) of H values, with
+    x_hat recomputed from x and dx_hat = dy * gamma_c, the LayerNorm identity::
+
+        dx = std_inv / H * (H * dx_hat - sum(dx_hat) - x_hat * sum(dx_hat * x_hat))
+        dgamma_c = sum of dy * x_hat over channel c's values,   dbeta_c = sum of dy over them
+    """
+    return _group_norm_backward("group_norm", dy, cache, gamma, out, num_threads)
+
+
+def instance_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, channel_axis=1, out=None,
+                          num_threads=None):
+    """InstanceNorm: :func:`group_norm_forward` with one group per channel."""
+    return _group_norm("instance_norm", x, None, gamma, beta, eps, channel_axis, out,
+                       num_threads, keep_cache=True)
+
+
+def instance_norm(x, gamma=None, beta=None, eps=1e-5, *, channel_axis=1, out=None,
+                  num_threads=None):
+    """y of :func:`instance_norm_forward`."""
+    return _group_norm("instance_norm", x, None, gamma, beta, eps, channel_axis, out,
+                       num_threads, keep_cache=False)[0]
+
+
+def instance_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
+    """InstanceNorm backward: :func:`group_norm_backward` of a cache with one group per
+    channel."""
+    return _group_norm_backward("instance_norm", dy, cache, gamma, out, num_threads)

@@ -1,4 +1,5 @@
-"""PyTorch drop-in: fastln's kernels behind ``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm``.
+"""PyTorch drop-in: fastln's kernels behind ``torch.nn.LayerNorm``, ``torch.nn.RMSNorm`` and
+``torch.nn.GroupNorm``.
 
 PyTorch is optional for fastln; this module needs it (``pip install torch``, version 2.4 or
 later) and is only imported when asked for::
@@ -8,8 +9,8 @@ later) and is only imported when asked for::
     norm = fastln.torch.LayerNorm(768)        # same constructor as torch.nn.LayerNorm
     model = fastln.torch.patch(model)         # or swap the layers of an existing model
 
-- :class:`LayerNorm` and :class:`RMSNorm` subclass ``torch.nn.LayerNorm`` and
-  ``torch.nn.RMSNorm``: same constructor, same parameters, same ``state_dict`` keys
+- :class:`LayerNorm`, :class:`RMSNorm` and :class:`GroupNorm` subclass ``torch.nn.LayerNorm``,
+  ``torch.nn.RMSNorm`` and ``torch.nn.GroupNorm``: same constructor, same parameters, same ``state_dict`` keys
   (``weight``, ``bias``), ``isinstance(m, torch.nn.LayerNorm)`` still holds. Only ``forward``
   differs: it runs fastln's kernels through a ``torch.autograd.Function``.
 - **No copies** for CPU tensors that are contiguous float32, float64 or float16: the tensor's
@@ -56,7 +57,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 import fastln
 
-__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "patch", "unpatch"]
+__all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "group_norm", "layer_norm", "rms_norm",
+           "patch", "unpatch"]
 
 _ShapeLike = Union[int, Sequence[int], torch.Size]
 
@@ -256,6 +258,83 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
                        else None)
         return grad_input, grad_weight, None, None, None, None
+
+
+def _channels_last_view(input: torch.Tensor) -> Optional[torch.Tensor]:
+    """An (N, C, *spatial) tensor stored channels last (``torch.channels_last``), as the
+    contiguous (N, *spatial, C) tensor on the same memory; None for any other layout."""
+    if input.dim() < 3 or input.is_contiguous():
+        return None
+    moved = input.movedim(1, -1)
+    return moved if moved.is_contiguous() else None
+
+
+class _GroupNormFunction(torch.autograd.Function):
+    """y = group_norm(x, num_groups) * weight + bias, on fastln's kernels; channels-last
+    tensors are computed in their own layout (no copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], num_groups: int, eps: float,
+                num_threads: Optional[int], arrays: tuple) -> torch.Tensor:
+        weight_array, bias_array = arrays
+        last = _channels_last_view(input)
+        x = _to_numpy(input if last is None else last)
+        y, cache = fastln.group_norm_forward(x, num_groups, weight_array, bias_array, eps,
+                                             channel_axis=1 if last is None else -1,
+                                             num_threads=num_threads)
+        ctx.cache = cache
+        ctx.num_threads = num_threads
+        ctx.weight_array = weight_array
+        ctx.channels_last = last is not None
+        ctx.save_for_backward(input, weight, bias)
+        result = _result(y, input)
+        return result if last is None else result.movedim(-1, 1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        input, weight, bias = ctx.saved_tensors
+        cache = ctx.cache
+        grad = grad_output if grad_output.dtype == input.dtype else grad_output.to(input.dtype)
+        if ctx.channels_last:
+            grad = grad.movedim(1, -1)
+        dy = _to_numpy(grad)
+        if dy.dtype != cache.dtype:
+            dy = dy.astype(cache.dtype)
+        dx, dgamma, dbeta = fastln.group_norm_backward(dy, cache, ctx.weight_array,
+                                                       num_threads=ctx.num_threads)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = _result(dx, input)
+            if ctx.channels_last:
+                grad_input = grad_input.movedim(-1, 1)
+        grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
+                       else None)
+        grad_bias = (_to_torch(dbeta, bias) if bias is not None and ctx.needs_input_grad[2]
+                     else None)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def group_norm(input: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *,
+               num_threads: Optional[int] = None) -> torch.Tensor:
+    """``torch.nn.functional.group_norm`` on fastln's kernels (PyTorch's own for tensors and
+    parameters fastln does not compute, and inside torch.func transforms).
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> fastln.torch.group_norm(torch.tensor([[[1.0, 3.0], [10.0, 30.0]]]), 2, eps=0.0)
+    tensor([[[-1.,  1.],
+             [-1.,  1.]]])
+    """
+    if (_current_transform_level() is None and _handles(input) and input.dim() >= 2
+            and all(p is None or _handles(p) for p in (weight, bias))):
+        arrays = (_to_numpy(weight), _to_numpy(bias))
+        return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, num_threads,
+                                        arrays)
+    return F.group_norm(input, num_groups, weight, bias, eps)
 
 
 def layer_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
@@ -464,23 +543,71 @@ class RMSNorm(torch.nn.RMSNorm):
         return {k: v for k, v in self.__dict__.items() if k != "_fastln_views"}
 
 
-_SWAPS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm}
+class GroupNorm(torch.nn.GroupNorm):
+    """``torch.nn.GroupNorm`` computed by fastln: same constructor, parameters and state_dict.
+    Channels-last tensors (``memory_format=torch.channels_last``) are computed in their own
+    layout.
+
+    Parameters
+    ----------
+    num_groups, num_channels, eps, affine, device, dtype
+        As in ``torch.nn.GroupNorm``.
+    num_threads : int, optional (keyword only)
+        fastln's threads for this layer; None uses ``fastln.get_num_threads()``.
+
+    Examples
+    --------
+    >>> import torch, fastln.torch
+    >>> norm = fastln.torch.GroupNorm(1, 2, eps=0.0)
+    >>> sorted(norm.state_dict())
+    ['bias', 'weight']
+    >>> norm(torch.tensor([[[1.0, 3.0], [1.0, 3.0]]])).detach()
+    tensor([[[-1.,  1.],
+             [-1.,  1.]]])
+    """
+
+    num_threads: Optional[int] = None
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True, device: Any = None, dtype: Any = None, *,
+                 num_threads: Optional[int] = None) -> None:
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        self.num_threads = num_threads
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
+        if (_current_transform_level() is None and _handles(input) and input.dim() >= 2
+                and input.shape[1] == self.num_channels):
+            arrays = _module_views(self).get(weight, bias)
+            if arrays is not None:
+                return _GroupNormFunction.apply(input, weight, bias, self.num_groups, self.eps,
+                                                self.num_threads, arrays)
+        return F.group_norm(input, self.num_groups, weight, bias, self.eps)
+
+    def __getstate__(self) -> dict:
+        # The NumPy views are a cache of this process: not pickled, not deep-copied.
+        return {k: v for k, v in self.__dict__.items() if k != "_fastln_views"}
+
+
+_SWAPS = {torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm,
+          torch.nn.GroupNorm: GroupNorm}
 
 
 def patch(model: torch.nn.Module, *, layer_norm: bool = True, rms_norm: bool = True,
-          num_threads: Optional[int] = None) -> torch.nn.Module:
-    """Make every ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` in ``model`` run on fastln.
+          group_norm: bool = True, num_threads: Optional[int] = None) -> torch.nn.Module:
+    """Make every ``torch.nn.LayerNorm`` / ``RMSNorm`` / ``GroupNorm`` in ``model`` run on
+    fastln.
 
     The swap is in place and keeps each module object: its class becomes
-    :class:`fastln.torch.LayerNorm` / :class:`fastln.torch.RMSNorm` (subclasses of the torch
-    ones), so its parameters (the very ``Parameter`` objects an optimizer may hold), buffers,
+    :class:`fastln.torch.LayerNorm` / :class:`fastln.torch.RMSNorm` /
+    :class:`fastln.torch.GroupNorm` (subclasses of the torch ones), so its parameters (the very ``Parameter`` objects an optimizer may hold), buffers,
     hooks and ``state_dict`` are untouched. Only modules whose type is exactly the torch class
     are swapped (a custom subclass may have its own ``forward``). ``model`` itself is included.
 
     Parameters
     ----------
     model : torch.nn.Module
-    layer_norm, rms_norm : bool, default True
+    layer_norm, rms_norm, group_norm : bool, default True
         Which kinds of layer to swap.
     num_threads : int, optional
         fastln's threads for the swapped layers; None uses ``fastln.get_num_threads()``.
@@ -498,7 +625,8 @@ def patch(model: torch.nn.Module, *, layer_norm: bool = True, rms_norm: bool = T
     >>> type(model[1]).__module__, type(model[1]).__name__
     ('fastln.torch', 'LayerNorm')
     """
-    kinds = {torch.nn.LayerNorm: layer_norm, torch.nn.RMSNorm: rms_norm}
+    kinds = {torch.nn.LayerNorm: layer_norm, torch.nn.RMSNorm: rms_norm,
+             torch.nn.GroupNorm: group_norm}
     for module in model.modules():
         swap = _SWAPS.get(type(module))
         if swap is not None and kinds[type(module)]:

@@ -45,7 +45,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 DEFAULT_DTYPES = ("float32", "float64")
 OPS = tuple(OPERATIONS)
 # LayerNorm only, so that the default run stays at a few minutes; the normalization family
-# (rms_*, add_*, batch_norm_*) runs when --ops names it.
+# (rms_*, add_*, batch_norm_*, group_norm*, instance_norm) runs when --ops names it.
 DEFAULT_OPS = ("forward", "backward")
 DEFAULT_JSON = "fastln-bench.json"
 DEFAULT_PLOT = "fastln-bench.png"

@@ -97,14 +97,15 @@ def random_array(rng, shape, dtype):
         numpy_dtype(dtype))
 
 
-def make_inputs(shape, dtype, rng, *, beta=False, dy=False, residual=False, running=False):
+def make_inputs(shape, dtype, rng, *, beta=False, dy=False, residual=False, running=False,
+                per_channel=False):
     """Inputs for one case, with the optional arrays the operation takes.
 
     Offsets and spreads other than 0 and 1, gamma and beta that are not ones and zeros, running
     statistics not at their defaults: no implementation can skip work. The parameters are one
-    value per column (per feature on axis 1 for batch norm).
+    value per column (per feature on axis 1 for batch norm and per_channel, group norm's NCHW).
     """
-    n_params = shape[FEATURE_AXIS] if running else shape[-1]
+    n_params = shape[FEATURE_AXIS] if running or per_channel else shape[-1]
     x = random_array(rng, shape, compute_dtype(dtype))
     if not residual:
         x *= 2.0

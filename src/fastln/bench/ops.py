@@ -6,8 +6,8 @@ in, and fastln's call. The peers' implementations come from one module per peer
 (fastln.bench.peers.numpy, .torch, .onnxruntime), each with an IMPLEMENTATIONS dict keyed by
 these names; OPERATIONS joins them to the rows, fastln first, then the peers in --peers order.
 
-Adding an operation (GroupNorm, InstanceNorm, ...) is one row in TABLE with its fastln call,
-plus one entry in the IMPLEMENTATIONS of each peer module that can compute it.
+Adding an operation is one row in TABLE with its fastln call, plus one entry in the
+IMPLEMENTATIONS of each peer module that can compute it.
 
 Bytes that must move (n elements of x): forward and rms_forward read x and write y (2 n);
 backward and rms_backward read dy and x and write dx (3 n; dgamma, dbeta and the statistics are
@@ -16,8 +16,13 @@ implementation moves more, and the column shows what fusing saves). A feature's 
 statistics need all of its values before its first output, so once x is larger than the cache
 batch_norm_train reads x twice and writes y (3 n), batch_norm_backward reads dy and x twice and
 writes dx (5 n); for arrays that fit in the cache those second reads come from it. Batch norm
-reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch.
+reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch. Group norm and
+instance norm read it as (N, C, H, W, ...) - group_norm_last as (N, H, W, ..., C), channels
+last - in gcd(32, C) groups (the diffusion models' 32); a group larger than the cache is read
+twice, as a batch-norm feature is, but the standard shapes' groups fit it (2 n forward, 3 n
+backward).
 """
+import math
 import dataclasses
 from functools import partial
 
@@ -122,6 +127,33 @@ def _batch_norm_backward(inputs, num_threads, out):
                    num_threads=num_threads)
 
 
+def group_count(shape, channel_axis=1):
+    """The groups of a group-norm case: gcd(32, C), 32 for the diffusion models' shapes."""
+    return math.gcd(32, shape[channel_axis])
+
+
+def _group_norm(inputs, num_threads, out):
+    return partial(fastln.group_norm, inputs.x, group_count(inputs.x.shape), inputs.gamma,
+                   inputs.beta, EPS, out=out, num_threads=num_threads)
+
+
+def _group_norm_last(inputs, num_threads, out):
+    return partial(fastln.group_norm, inputs.x, group_count(inputs.x.shape, -1), inputs.gamma,
+                   inputs.beta, EPS, channel_axis=-1, out=out, num_threads=num_threads)
+
+
+def _group_norm_backward(inputs, num_threads, out):
+    _, cache = fastln.group_norm_forward(inputs.x, group_count(inputs.x.shape), inputs.gamma,
+                                         inputs.beta, EPS, num_threads=num_threads)
+    return partial(fastln.group_norm_backward, inputs.dy, cache, inputs.gamma, out=out,
+                   num_threads=num_threads)
+
+
+def _instance_norm(inputs, num_threads, out):
+    return partial(fastln.instance_norm, inputs.x, inputs.gamma, inputs.beta, EPS, out=out,
+                   num_threads=num_threads)
+
+
 # Peak memory, in arrays of x's size: the inputs; one output each for fastln, numpy-inplace and
 # a library peer; numpy-naive's temporaries (and numpy-inplace's scratch in a backward).
 _FORWARD_MEMORY, _BACKWARD_MEMORY, _ADD_MEMORY = 8, 11, 12
@@ -156,6 +188,22 @@ TABLE = (
               partial(make_inputs, beta=True, running=True, dy=True),
               streams=5, memory_factor=_BACKWARD_MEMORY, dtypes=FULL_DTYPES,
               fastln=_fastln(_batch_norm_backward), fastln_call="fastln.batch_norm_backward"),
+    Operation("group_norm", "group_norm forward, (N, C, H, W), gcd(32, C) groups",
+              partial(make_inputs, beta=True, per_channel=True),
+              streams=2, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
+              fastln=_fastln(_group_norm), fastln_call="fastln.group_norm"),
+    Operation("group_norm_last", "group_norm forward, channels last (N, H, W, C)",
+              partial(make_inputs, beta=True),
+              streams=2, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
+              fastln=_fastln(_group_norm_last), fastln_call="fastln.group_norm(channel_axis=-1)"),
+    Operation("group_norm_backward", "group_norm backward, (N, C, H, W)",
+              partial(make_inputs, beta=True, per_channel=True, dy=True),
+              streams=3, memory_factor=_BACKWARD_MEMORY, dtypes=FULL_DTYPES,
+              fastln=_fastln(_group_norm_backward), fastln_call="fastln.group_norm_backward"),
+    Operation("instance_norm", "instance_norm forward, (N, C, H, W)",
+              partial(make_inputs, beta=True, per_channel=True),
+              streams=2, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
+              fastln=_fastln(_instance_norm), fastln_call="fastln.instance_norm"),
 )
 
 

@@ -254,6 +254,35 @@ def _batch_norm_train(inputs, num_threads, out_buffer):
                 result_arrays=lambda result: running.result_arrays(result[0]))
 
 
+def _channel_norm_model(op_type, opset, dtype, ndim, **attributes):
+    """GroupNormalization / InstanceNormalization over (N, C, ...): (x, scale, bias) -> y."""
+    from onnx import helper
+
+    dims = ["n", "c"] + [f"d{axis}" for axis in range(2, ndim)]
+    node = helper.make_node(op_type, ["x", "scale", "bias"], ["y"], epsilon=EPS, **attributes)
+    return _model([node], [("x", dtype, dims), ("scale", dtype, ["c"]), ("bias", dtype, ["c"])],
+                  [("y", dtype, dims)], [("", opset)])
+
+
+def _group_norm(inputs, num_threads, out_buffer):
+    from fastln.bench.ops import group_count
+
+    x = inputs.x
+    groups = group_count(x.shape)
+    the_session = session(("group_norm", x.dtype, x.ndim, groups), lambda: _channel_norm_model(
+        "GroupNormalization", 21, x.dtype, x.ndim, num_groups=groups), num_threads)
+    return _run(the_session, {"x": x, "scale": inputs.gamma, "bias": inputs.beta}, {"y": x},
+                num_threads, out_buffer)
+
+
+def _instance_norm(inputs, num_threads, out_buffer):
+    x = inputs.x
+    the_session = session(("instance_norm", x.dtype, x.ndim), lambda: _channel_norm_model(
+        "InstanceNormalization", 6, x.dtype, x.ndim), num_threads)
+    return _run(the_session, {"x": x, "scale": inputs.gamma, "bias": inputs.beta}, {"y": x},
+                num_threads, out_buffer)
+
+
 def _onnxruntime(prepare, description, dtypes=DTYPES):
     return (Implementation("onnxruntime", "onnxruntime", prepare, description, dtypes=dtypes),)
 
@@ -271,4 +300,7 @@ IMPLEMENTATIONS = {
     "batch_norm_train": _onnxruntime(_batch_norm_train,
                                      "BatchNormalization, opset 15, training_mode=1",
                                      FULL_DTYPES),
+    "group_norm": _onnxruntime(_group_norm, "GroupNormalization, opset 21 (as ONNX Runtime's "
+                                            "CPU provider runs it: its function expansion)"),
+    "instance_norm": _onnxruntime(_instance_norm, "InstanceNormalization, opset 6"),
 }

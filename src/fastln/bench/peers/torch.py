@@ -15,6 +15,10 @@ where PyTorch has a gradient kernel of its own.
     batch_norm_train         F.batch_norm(training=True), its running statistics updated in place
                              (its momentum weighs the new value: it gets 1 - fastln's)
     batch_norm_backward      torch.ops.aten.native_batch_norm_backward (no autograd)
+    group_norm, instance_norm  F.group_norm / F.instance_norm; group_norm_last gives F.group_norm
+                             the channels-last array as an (N, C, H, W) tensor in
+                             torch.channels_last memory format (its channels-last kernel)
+    group_norm_backward      autograd.grad of F.group_norm, the graph recorded once, untimed
 
 Tensors share the NumPy inputs' memory (torch.from_numpy; bfloat16 through an int16 view), so
 torch reads exactly the arrays the others read; float16 and bfloat16 tensors run PyTorch's own
@@ -188,6 +192,49 @@ def _batch_norm_backward(inputs, num_threads, out_buffer):
     return _prepared(torch, call, num_threads, out_buffer)
 
 
+def _group_norm(channels_last):
+    def prepare(inputs, num_threads, out_buffer):
+        from fastln.bench.ops import group_count
+
+        torch = _torch(num_threads)
+        x, gamma, beta = (tensor(torch, array) for array in (inputs.x, inputs.gamma, inputs.beta))
+        if channels_last:
+            x = x.movedim(-1, 1)  # (N, C, H, W) in channels_last memory format, no copy
+        groups, group_norm = group_count(tuple(x.shape)), torch.nn.functional.group_norm
+
+        def result_arrays(y):
+            return (y.movedim(1, -1) if channels_last else y).float().numpy(),
+
+        return _prepared(torch, lambda: group_norm(x, groups, gamma, beta, EPS), num_threads,
+                         out_buffer, result_arrays=result_arrays if channels_last else None)
+    return prepare
+
+
+def _group_norm_backward(inputs, num_threads, out_buffer):
+    from fastln.bench.ops import group_count
+
+    torch = _torch(num_threads)
+    x, gamma, beta, dy = (tensor(torch, array)
+                          for array in (inputs.x, inputs.gamma, inputs.beta, inputs.dy))
+    leaves = tuple(t.detach().requires_grad_(True) for t in (x, gamma, beta))
+    y = torch.nn.functional.group_norm(leaves[0], group_count(tuple(x.shape)), leaves[1],
+                                       leaves[2], EPS)
+    grad = torch.autograd.grad
+
+    def call():
+        return grad(y, leaves, dy, retain_graph=True)
+
+    return _prepared(torch, call, num_threads, out_buffer)
+
+
+def _instance_norm(inputs, num_threads, out_buffer):
+    torch = _torch(num_threads)
+    x, gamma, beta = (tensor(torch, array) for array in (inputs.x, inputs.gamma, inputs.beta))
+    instance_norm = torch.nn.functional.instance_norm
+    return _prepared(torch, lambda: instance_norm(x, weight=gamma, bias=beta, eps=EPS),
+                     num_threads, out_buffer)
+
+
 def _torch_implementation(prepare, description, dtypes=None):
     return (Implementation("torch", "torch", prepare, description, dtypes=dtypes),)
 
@@ -208,4 +255,12 @@ IMPLEMENTATIONS = {
         _batch_norm_train, "torch.nn.functional.batch_norm(training=True)", FULL_DTYPES),
     "batch_norm_backward": _torch_implementation(
         _batch_norm_backward, "aten.native_batch_norm_backward (no autograd)", FULL_DTYPES),
+    "group_norm": _torch_implementation(_group_norm(False), "torch.nn.functional.group_norm",
+                                        FULL_DTYPES),
+    "group_norm_last": _torch_implementation(
+        _group_norm(True), "torch.nn.functional.group_norm, torch.channels_last", FULL_DTYPES),
+    "group_norm_backward": _torch_implementation(
+        _group_norm_backward, "autograd.grad of F.group_norm", FULL_DTYPES),
+    "instance_norm": _torch_implementation(_instance_norm, "torch.nn.functional.instance_norm",
+                                           FULL_DTYPES),
 }

@@ -1,0 +1,157 @@
+/* GroupNorm's layout and per-group arithmetic, the same for every storage type: how a call is
+ * cut into tasks, and the statistics of a group from the sums of its pieces. Plain double
+ * arithmetic.
+ *
+ * Channels first (NCHW), the channels of a (sample, group) are one contiguous run of
+ * (n_channels / n_groups) * n_spatial values - a LayerNorm row, except that gamma and beta are
+ * constant over each channel's n_spatial values. The forward cuts the run into pieces of
+ * FASTLN_GN_PIECE values (a multiple of FASTLN_SLOTS) and sums each piece with LayerNorm's
+ * slot order; the backward sums each channel's n_spatial values in pieces of the same size.
+ * Channels last (NHWC), each spatial position holds a row of every group's channels: a sample
+ * is cut into blocks of spatial rows, and each block sums each channel down its rows in row
+ * order, as BatchNorm's rows layout does. Either way the pieces' (blocks') sums are added in
+ * piece order: the layout is a function of the shape alone, so the results are identical for
+ * every thread count and every batch, also when a call has fewer groups than threads (the
+ * pieces then go to the threads). */
+#ifndef FASTLN_GROUP_NORM_H
+#define FASTLN_GROUP_NORM_H
+
+#include <math.h>
+#include <stdint.h>
+
+/* Values per piece: large enough that a task's overhead vanishes, small enough that a single
+ * group of an image the size of a diffusion UNet's first stage ([1, 128, 256, 256] in 32
+ * groups: 262144 values) still makes work for several threads. */
+#define FASTLN_GN_PIECE 32768
+
+/* The doubles a group keeps in group_scratch: the forward's fastln_ln_stats fields (shift,
+ * mean_shifted, var, rstd, rstd_scaled, exponent), the backward's constants (mean, mean
+ * correction, rstd, mean(dx_hat), mean(dx_hat * x_hat)). */
+#define FASTLN_GN_GROUP_FIELDS 6
+
+/* The doubles per (sample, channel) in channel_scratch: the forward's channels-last write
+ * constants (shift, center, scale, offset); the backward's dgamma and dbeta terms and, channels
+ * last, the six write constants of fastln_gn_backward_apply_rows. */
+#define FASTLN_GN_CHANNEL_FIELDS 8
+
+static inline int64_t fastln_gn_group_size(const fastln_gn_call *call)
+{
+    return call->n_channels / call->n_groups * call->n_spatial;
+}
+
+/* The pieces (or blocks) of a call, forward or backward. */
+static inline void fastln_gn_layout(fastln_gn_call *call, int backward)
+{
+    if (call->channels_last) {
+        call->piece = fastln_max(FASTLN_GN_PIECE / fastln_max(call->n_channels, 1), 1);
+        call->n_pieces = (call->n_spatial + call->piece - 1) / call->piece;
+    } else {
+        const int64_t run = backward ? call->n_spatial : fastln_gn_group_size(call);
+        call->piece = FASTLN_GN_PIECE;
+        call->n_pieces = (run + FASTLN_GN_PIECE - 1) / FASTLN_GN_PIECE;
+    }
+    call->n_pieces = fastln_max(call->n_pieces, 1);
+}
+
+/* The tasks of the piece (block) phases. */
+static inline int64_t fastln_gn_piece_tasks(const fastln_gn_call *call, int backward)
+{
+    if (call->channels_last) return call->n_samples * call->n_pieces;
+    return call->n_samples * (backward ? call->n_channels : call->n_groups) * call->n_pieces;
+}
+
+/* The doubles of the partials: a piece's sum and sum of squares (channels first, forward); a
+ * piece's sum(dy), sum(dy * d), sum(d) (channels first, backward); a block's per-channel shift
+ * (or mean), then its two (three) per-channel sums (channels last). */
+static inline int64_t fastln_gn_partials(const fastln_gn_call *call, int backward)
+{
+    const int64_t per_task = call->channels_last ? (backward ? 4 : 3) * call->n_channels
+                                                 : (backward ? 3 : 2);
+    return fastln_gn_piece_tasks(call, backward) * per_task;
+}
+
+static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
+{
+    return FASTLN_GN_CHANNEL_FIELDS * call->n_samples * call->n_channels;
+}
+
+static inline int64_t fastln_gn_group_scratch(const fastln_gn_call *call)
+{
+    return FASTLN_GN_GROUP_FIELDS * call->n_samples * call->n_groups;
+}
+
+/* A group's statistics from its shifted sums, sum(d) and sum(d * d) with d = x - shift over its
+ * n values: 1 and *stats filled when they are good, 0 when the group needs its statistics taken
+ * again by the careful path (ln_statistics, channels first; gn_view_statistics, channels last):
+ * a first value far from the mean (the two terms of the variance cancel by more than
+ * FASTLN_MAX_CANCELLATION), sums beyond double's range, a NaN or an Inf, or a variance so
+ * small (with an eps as small) that its squares may have underflowed. The careful path gives
+ * the same statistics as these sums where both apply; it costs a few more passes. */
+static inline int fastln_gn_statistics_from_sums(double shift, double sum, double sumsq,
+                                                 double n, double eps, fastln_ln_stats *stats)
+{
+    const double mean_shifted = sum / n;
+    double var = sumsq / n - mean_shifted * mean_shifted;
+    if (!isfinite(mean_shifted) || !isfinite(var)
+        || mean_shifted * mean_shifted > FASTLN_MAX_CANCELLATION * var)
+        return 0;
+    if (var < 0.0) var = 0.0; /* rounding only */
+    if (var < FASTLN_TINY && eps < FASTLN_TINY) return 0;
+    stats->shift = shift;
+    stats->mean_shifted = mean_shifted;
+    stats->var = var;
+    stats->rstd = stats->rstd_scaled = 1.0 / sqrt(var + eps);
+    stats->exponent = 0;
+    return 1;
+}
+
+/* What a group's write pass scales its centred values by: rstd, except 0 for a constant group
+ * with eps = 0 (x_hat is 0 there and y = beta, not 0 * Inf = NaN), as LayerNorm's rows. */
+static inline double fastln_gn_x_hat_scale(const fastln_ln_stats *stats, double eps)
+{
+    return stats->var + eps == 0.0 ? 0.0 : stats->rstd;
+}
+
+/* Whether a group's write needs the rescaled path (rare.h): an rstd beyond double's range. */
+static inline int fastln_gn_write_is_rare(const fastln_ln_stats *stats)
+{
+    return isinf(stats->rstd) && stats->var > 0.0;
+}
+
+static inline void fastln_gn_store_stats(double *fields, const fastln_ln_stats *stats)
+{
+    fields[0] = stats->shift;
+    fields[1] = stats->mean_shifted;
+    fields[2] = stats->var;
+    fields[3] = stats->rstd;
+    fields[4] = stats->rstd_scaled;
+    fields[5] = (double)stats->exponent;
+}
+
+static inline fastln_ln_stats fastln_gn_load_stats(const double *fields)
+{
+    fastln_ln_stats stats;
+    stats.shift = fields[0];
+    stats.mean_shifted = fields[1];
+    stats.var = fields[2];
+    stats.rstd = fields[3];
+    stats.rstd_scaled = fields[4];
+    stats.exponent = (int)fields[5];
+    return stats;
+}
+
+/* A group seen as n_rows rows of width values, rows `stride` values apart, for the rare paths
+ * (fastln/rare.h): channels first, a row per channel (n_spatial values, stride n_spatial);
+ * channels last, a row per spatial position (the group's channels, stride n_channels). The
+ * channel of value (r, j) is first_channel + r, or first_channel + j channels last. */
+typedef struct {
+    int64_t n_rows, width, stride, first_channel;
+    int channels_last;
+} fastln_gn_view;
+
+static inline int64_t fastln_gn_view_channel(const fastln_gn_view *view, int64_t r, int64_t j)
+{
+    return view->first_channel + (view->channels_last ? j : r);
+}
+
+#endif /* FASTLN_GROUP_NORM_H */
