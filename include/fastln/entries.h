@@ -380,10 +380,10 @@ FASTLN_INLINE void FASTLN_NAME(gn_keep_statistics)(const fastln_gn_call *call, i
                                                    const fastln_ln_stats *stats)
 {
     FASTLN_P *mean = call->mean, *rstd = call->rstd;
-    if (mean) mean[ng] = (FASTLN_P)(stats->shift + stats->mean_shifted);
+    if (mean) mean[ng] = (FASTLN_P)stats->mean;
     if (rstd) rstd[ng] = (FASTLN_P)stats->rstd;
     fastln_gn_store_stats(call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng, stats);
-    call->rare[ng] = fastln_gn_write_is_rare(stats);
+    call->rare[ng] = stats->rare;
     if (call->rare[ng] && !call->channels_last) {
         int64_t offset;
         const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
@@ -649,16 +649,17 @@ static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t 
             (double)fastln_gn_group_size(call), (double)mean[ng], group_rstd, fields,
             dgamma_terms + nc, dbeta_terms + nc);
         call->rare[ng] = 0;
+        /* A group whose rstd is beyond the cache's range, or whose plain sums are not finite
+         * while its statistics are (products that overflow; or a NaN or Inf in dy or gamma,
+         * which must not take the dgamma and dbeta of the group's other channels with it). */
         if (isinf(group_rstd) || (!finite && !isnan(group_rstd))) {
             int64_t offset;
             const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
-            if (isinf(group_rstd) || FASTLN_NAME(gn_view_finite)(dy + offset, x + offset, &view, gamma)) {
-                for (int64_t c = 0; c < per_group; c++) dgamma_terms[nc + c] = dbeta_terms[nc + c] = 0.0;
-                FASTLN_NAME(gn_backward_recomputed)(dy + offset, x + offset, dx + offset, &view,
-                                                    gamma, call->eps, dgamma_terms + nc,
-                                                    dbeta_terms + nc);
-                call->rare[ng] = 1;
-            }
+            for (int64_t c = 0; c < per_group; c++) dgamma_terms[nc + c] = dbeta_terms[nc + c] = 0.0;
+            FASTLN_NAME(gn_backward_recomputed)(dy + offset, x + offset, dx + offset, &view,
+                                                gamma, call->eps, dgamma_terms + nc,
+                                                dbeta_terms + nc);
+            call->rare[ng] = 1;
         }
         if (call->channels_last) {
             double *constants = call->channel_scratch + 2 * n_channel_values + nc;

@@ -25,9 +25,9 @@
 #define FASTLN_GN_PIECE 32768
 
 /* The doubles a group keeps in group_scratch: the forward's fastln_ln_stats fields (shift,
- * mean_shifted, var, rstd, rstd_scaled, exponent), the backward's constants (mean, mean
- * correction, rstd, mean(dx_hat), mean(dx_hat * x_hat)). */
-#define FASTLN_GN_GROUP_FIELDS 6
+ * mean_shifted, var, rstd, rstd_scaled, exponent, mean, center, prescale, rare), the backward's
+ * constants (mean, mean correction, rstd, mean(dx_hat), mean(dx_hat * x_hat)). */
+#define FASTLN_GN_GROUP_FIELDS 10
 
 /* The doubles per (sample, channel) in channel_scratch: the forward's channels-last write
  * constants (shift, center, scale, offset); the backward's dgamma and dbeta terms and, channels
@@ -99,9 +99,11 @@ static inline int fastln_gn_statistics_from_sums(double shift, double sum, doubl
     if (var < FASTLN_TINY && eps < FASTLN_TINY) return 0;
     stats->shift = shift;
     stats->mean_shifted = mean_shifted;
+    stats->mean = shift + mean_shifted;
     stats->var = var;
     stats->rstd = stats->rstd_scaled = 1.0 / sqrt(var + eps);
-    stats->exponent = 0;
+    stats->center = 0.0;
+    stats->exponent = stats->prescale = stats->rare = 0;
     return 1;
 }
 
@@ -113,11 +115,6 @@ static inline double fastln_gn_x_hat_scale(const fastln_ln_stats *stats, double 
 }
 
 /* Whether a group's write needs the rescaled path (rare.h): an rstd beyond double's range. */
-static inline int fastln_gn_write_is_rare(const fastln_ln_stats *stats)
-{
-    return isinf(stats->rstd) && stats->var > 0.0;
-}
-
 static inline void fastln_gn_store_stats(double *fields, const fastln_ln_stats *stats)
 {
     fields[0] = stats->shift;
@@ -126,6 +123,10 @@ static inline void fastln_gn_store_stats(double *fields, const fastln_ln_stats *
     fields[3] = stats->rstd;
     fields[4] = stats->rstd_scaled;
     fields[5] = (double)stats->exponent;
+    fields[6] = stats->mean;
+    fields[7] = stats->center;
+    fields[8] = (double)stats->prescale;
+    fields[9] = (double)stats->rare;
 }
 
 static inline fastln_ln_stats fastln_gn_load_stats(const double *fields)
@@ -137,6 +138,10 @@ static inline fastln_ln_stats fastln_gn_load_stats(const double *fields)
     stats.rstd = fields[3];
     stats.rstd_scaled = fields[4];
     stats.exponent = (int)fields[5];
+    stats.mean = fields[6];
+    stats.center = fields[7];
+    stats.prescale = (int)fields[8];
+    stats.rare = (int)fields[9];
     return stats;
 }
 

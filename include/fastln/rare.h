@@ -454,11 +454,13 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
  * A group seen as n_rows rows of width values, rows `stride` values apart
  * (fastln_gn_view, fastln/group_norm.h). Plain loops in row order. */
 
-/* A group's statistics taken the careful way (fastln_ln_stats): its mean from values scaled by
- * a power of two that keeps the sum within double's range, then the variance around that mean
- * from deviations scaled to about 1 (ldexp is exact), as ln_wide_mean and ln_rescaled_rstd do
- * for a row. A group holding a NaN or an Inf, or whose deviations are beyond double, gets NaN
- * statistics (its values stay NaN). For the channels-last groups the sums cannot take. */
+/* A group's statistics taken the careful way, in the rare paths' terms (fastln_ln_stats, as
+ * ln_statistics gives them for a row): its mean from values scaled by a power of two that keeps
+ * the sum within double's range; then its deviations from that mean, computed under 2^prescale
+ * (values of both signs near DBL_MAX) and brought to about 1, for the variance (ldexp is exact;
+ * ln_rescaled_statistics does the same for a row). A group holding a NaN or an Inf gets NaN
+ * statistics (its values stay NaN). For the channels-last groups the sums cannot take, and the
+ * backward's groups taken again from x. */
 static void FASTLN_NAME(gn_view_statistics)(const FASTLN_T *x, const fastln_gn_view *view,
                                             double eps, fastln_ln_stats *stats)
 {
@@ -470,8 +472,9 @@ static void FASTLN_NAME(gn_view_statistics)(const FASTLN_T *x, const fastln_gn_v
     for (int64_t r = 0; r < view->n_rows && isfinite(largest); r++)
         for (int64_t j = 0; j < view->width; j++)
             if (!isfinite(FASTLN_NAME(to_double)(x[r * view->stride + j]))) largest = NAN;
-    stats->shift = stats->mean_shifted = stats->var = stats->rstd = stats->rstd_scaled = NAN;
-    stats->exponent = 0;
+    stats->shift = stats->mean_shifted = stats->mean = stats->var = NAN;
+    stats->rstd = stats->rstd_scaled = stats->center = NAN;
+    stats->exponent = stats->prescale = stats->rare = 0;
     if (!isfinite(largest)) return;
     int top, count_bits;
     frexp(largest, &top);
@@ -480,50 +483,60 @@ static void FASTLN_NAME(gn_view_statistics)(const FASTLN_T *x, const fastln_gn_v
     for (int64_t r = 0; r < view->n_rows; r++)
         for (int64_t j = 0; j < view->width; j++)
             sum += ldexp(FASTLN_NAME(to_double)(x[r * view->stride + j]), -top - count_bits);
-    const double mean = ldexp(sum / n, top + count_bits);
+    stats->shift = stats->mean = ldexp(sum / n, top + count_bits);
+    stats->mean_shifted = 0.0;
+    stats->prescale = largest >= 0x1p1022 ? -2 : 0; /* as ln_prescale */
     double spread = 0.0;
     for (int64_t r = 0; r < view->n_rows; r++)
         for (int64_t j = 0; j < view->width; j++)
-            spread = fmax(spread, fabs(FASTLN_NAME(to_double)(x[r * view->stride + j]) - mean));
-    stats->shift = mean;
-    if (isinf(spread)) return; /* deviations beyond double: NaN, as ln_statistics */
-    stats->mean_shifted = 0.0;
-    stats->var = 0.0;
+            spread = fmax(spread, fabs(fastln_ln_deviation(
+                                      FASTLN_NAME(to_double)(x[r * view->stride + j]), stats)));
+    stats->var = stats->center = 0.0;
     stats->rstd = stats->rstd_scaled = 1.0 / sqrt(eps);
-    if (spread == 0.0) return; /* a constant group */
-    int exponent;
-    frexp(spread, &exponent);
+    if (spread == 0.0) { /* a constant group */
+        stats->prescale = 0;
+        return;
+    }
+    int e;
+    frexp(spread, &e);
     double sum_d = 0.0, sumsq_d = 0.0;
     for (int64_t r = 0; r < view->n_rows; r++)
         for (int64_t j = 0; j < view->width; j++) {
-            const double d = ldexp(FASTLN_NAME(to_double)(x[r * view->stride + j]) - mean,
-                                   -exponent);
+            const double d = ldexp(
+                fastln_ln_deviation(FASTLN_NAME(to_double)(x[r * view->stride + j]), stats), -e);
             sum_d += d;
             sumsq_d += d * d;
         }
-    const double mean_scaled = sum_d / n;
-    double var = sumsq_d / n - mean_scaled * mean_scaled;
+    const double center = sum_d / n;
+    double var = sumsq_d / n - center * center;
     if (var < 0.0) var = 0.0;
-    stats->mean_shifted = ldexp(mean_scaled, exponent);
     stats->var = var;
-    /* 1 / sqrt(var * 4^exponent + eps) = 2^-exponent / sqrt(var + eps * 4^-exponent); where
-     * eps * 4^-exponent passes DBL_MAX it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
-    const double eps_scaled = ldexp(eps, -2 * exponent);
-    if (eps_scaled > DBL_MAX) return;
-    stats->rstd_scaled = 1.0 / sqrt(var + eps_scaled);
-    stats->exponent = -exponent;
-    stats->rstd = ldexp(stats->rstd_scaled, -exponent); /* Inf when beyond double */
+    /* 1 / sqrt(var * 4^scale + eps) = 2^-scale / sqrt(var + eps * 4^-scale); where
+     * eps * 4^-scale passes DBL_MAX it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
+    const int scale = e - stats->prescale;
+    const double eps_scaled = ldexp(eps, -2 * scale);
+    if (eps_scaled > DBL_MAX) {
+        stats->center = ldexp(center, scale); /* in the units of exponent 0 */
+    } else {
+        stats->center = center;
+        stats->exponent = -scale;
+        stats->rstd_scaled = 1.0 / sqrt(var + eps_scaled);
+        stats->rstd = ldexp(stats->rstd_scaled, stats->exponent); /* Inf when beyond double */
+    }
+    /* As for a row: the plain passes take a group whose x - mean, rstd and mean are in range. */
+    stats->rare = var > 0.0 && (stats->prescale != 0 || isinf(stats->rstd)
+                                || fabs(stats->center) > 0x1p-26);
 }
 
-/* x_hat of one value from the careful statistics: 0 for a constant group. */
+/* x_hat of one value from the careful statistics (fastln_ln_rare_x_hat): 0 for a constant
+ * group. */
 FASTLN_INLINE double FASTLN_NAME(gn_rescaled_x_hat)(FASTLN_T value, const fastln_ln_stats *stats)
 {
     if (stats->var == 0.0) return 0.0;
-    return ldexp((FASTLN_NAME(to_double)(value) - stats->shift) - stats->mean_shifted,
-                 stats->exponent) * stats->rstd_scaled;
+    return fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(value), stats);
 }
 
-/* y = gamma_c * x_hat + beta_c for a group whose rstd is beyond double's range, each deviation
+/* y = gamma_c * x_hat + beta_c for a group of the rare paths (stats->rare), each deviation
  * brought to about 1 first (ln_write_rescaled). In place is fine. */
 static void FASTLN_NAME(gn_write_rescaled)(const FASTLN_T *x, FASTLN_T *y,
                                            const fastln_gn_view *view, const FASTLN_P *gamma,
@@ -537,21 +550,6 @@ static void FASTLN_NAME(gn_write_rescaled)(const FASTLN_T *x, FASTLN_T *y,
             if (beta) value += (double)beta[c];
             y[at] = FASTLN_NAME(from_double)(value);
         }
-}
-
-/* Whether a group's dy and x are all finite (and gamma over its channels). */
-static int FASTLN_NAME(gn_view_finite)(const FASTLN_T *dy, const FASTLN_T *x,
-                                       const fastln_gn_view *view, const FASTLN_P *gamma)
-{
-    int finite = 1;
-    for (int64_t r = 0; r < view->n_rows; r++)
-        for (int64_t j = 0; j < view->width; j++) {
-            const int64_t at = r * view->stride + j, c = fastln_gn_view_channel(view, r, j);
-            finite &= isfinite(FASTLN_NAME(to_double)(dy[at]))
-                      && isfinite(FASTLN_NAME(to_double)(x[at]))
-                      && (!gamma || isfinite((double)gamma[c]));
-        }
-    return finite;
 }
 
 /* Backward of a group from its statistics taken again from x (gn_view_statistics), all in

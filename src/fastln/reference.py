@@ -595,7 +595,8 @@ __all__ += [
 def _channels_first(array, channel_axis):
     """array as float64 (N, C, S): channels second, the spatial positions flattened."""
     array = np.moveaxis(np.asarray(array, dtype=np.float64), channel_axis, 1)
-    return array.reshape(array.shape[0], array.shape[1], -1)
+    spatial = int(np.prod(array.shape[2:], dtype=np.int64))  # (-1 cannot size an empty array)
+    return array.reshape(array.shape[0], array.shape[1], spatial)
 
 
 def _from_channels_first(values, shape, channel_axis):
@@ -627,7 +628,7 @@ def _group_norm(name, x, num_groups, gamma, beta, eps, channel_axis, out, num_th
         for g in range(G):
             channels = slice(g * per_group, (g + 1) * per_group)
             group = _standardize(X[n, channels, :].ravel(), eps)  # its channels x positions
-            x_hat = group.x_hat.reshape(per_group, -1)
+            x_hat = group.x_hat.reshape(per_group, X.shape[2])
             with np.errstate(over="ignore", invalid="ignore"):
                 Y[n, channels, :] = gamma[channels, None] * x_hat + beta[channels, None]
             means[n, g], std_invs[n, g] = group.mean, group.std_inv
@@ -674,7 +675,7 @@ def _group_norm_backward(name, dy, cache, gamma, out, num_threads):
     N, G = X.shape[0], cache.num_groups
     per_group = C // G
     gamma, g_exp = _scaled_gamma(gamma, C)                  # gamma * 2**g_exp
-    channel_exponents = _unit_exponent(dY.transpose(1, 0, 2).reshape(C, -1).T, axis=0)
+    channel_exponents = _unit_exponent(dY.transpose(1, 0, 2).reshape(C, N * X.shape[2]).T, axis=0)
 
     dGamma = np.zeros(C)
     dBeta = np.zeros(C)
@@ -684,7 +685,7 @@ def _group_norm_backward(name, dy, cache, gamma, out, num_threads):
             channels = slice(g * per_group, (g + 1) * per_group)
             # The cache holds x rather than x_hat (O(groups) memory): recompute it.
             group = _standardize(X[n, channels, :].ravel(), cache.eps)
-            x_hat = group.x_hat.reshape(per_group, -1)
+            x_hat = group.x_hat.reshape(per_group, X.shape[2])
             H = x_hat.size
             dy_group = dY[n, channels, :]
             with np.errstate(invalid="ignore"):     # NaN in dy (or x) makes its sums NaN
