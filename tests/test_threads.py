@@ -135,6 +135,10 @@ FRESH_PROCESS = textwrap.dedent("""
         result["threads_started_by_default_call"] = os_threads() - start
         fastln.layer_norm(x, num_threads=3)        # an explicit count wins
         result["threads_started_by_explicit_call"] = os_threads() - start
+        for _ in range(5):
+            fastln.layer_norm(x, num_threads=3)    # the same workers, woken again
+        fastln.layer_norm(x, num_threads=2)        # fewer than there are
+        result["threads_after_more_calls"] = os_threads() - start
     result["restored"] = fastln.get_num_threads()
     fastln.set_num_threads(1)  # fastln's setting alone: the runtime's stays ...
     result["runtime_after_fastln_set"] = runtime_threads()
@@ -169,6 +173,8 @@ def test_threadpoolctl_limits_fastln_in_a_fresh_process():
     assert result["threads_started_by_default_call"] == 0
     # ... while num_threads=3 on a call still gets its team of three (two new threads).
     assert result["threads_started_by_explicit_call"] == 2
+    # Later calls reuse those workers (fastln/pool.h): no thread is started per call.
+    assert result["threads_after_more_calls"] == 2
     assert result["restored"] == 2
     # ... and fastln's setting and the runtime's leave each other alone.
     assert result["runtime_after_fastln_set"] == [2]

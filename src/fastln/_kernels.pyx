@@ -150,6 +150,11 @@ cdef extern from "fastln/kernels.h" nogil:
     int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
     int64_t fastln_gn_group_scratch(const fastln_gn_call *call)
 
+cdef extern from "fastln/pool.h" nogil:
+    enum: FASTLN_HAVE_POOL
+    void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_parts,
+                         int n_threads)
+
 FLOAT16 = FASTLN_FLOAT16
 BFLOAT16 = FASTLN_BFLOAT16
 FLOAT32 = FASTLN_FLOAT32
@@ -229,6 +234,7 @@ def set_default_num_threads(int num_threads):
 # cache.
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
+    PARTS_PER_THREAD = 4
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     GN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
 
@@ -239,13 +245,20 @@ cdef inline fastln_task _task(int storage, int task) noexcept nogil:
 
 cdef void _run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_elements,
                int num_threads) noexcept nogil:
-    """Tasks [0, n_tasks) of the call: on the calling thread when the work is small (even a
-    parallel region that runs on one thread costs about half a microsecond), else in
-    num_threads contiguous ranges, one per thread. Tasks never share an output and every
-    reduction's layout is fixed by the shape, so the split changes no result."""
+    """Tasks [0, n_tasks) of the call: on the calling thread when the work is small (waking a
+    worker costs more), else in parts that the calling thread and up to num_threads - 1
+    workers claim (fastln/pool.h; an OpenMP loop of num_threads contiguous ranges where the
+    pool is not built). Tasks never share an output and every reduction's layout is fixed by
+    the shape, so the split changes no result."""
     cdef int64_t part, n_parts
     if num_threads <= 1 or n_tasks <= 1 or n_elements < MIN_ELEMENTS_FOR_THREADS:
         task(call, 0, n_tasks)
+        return
+    if FASTLN_HAVE_POOL:
+        # parts claimed by whichever thread is free (fastln/pool.h): a few per thread, so that
+        # a worker that wakes late still finds some
+        fastln_pool_run(task, call, n_tasks, min(PARTS_PER_THREAD * <int64_t>num_threads,
+                                                 n_tasks), num_threads)
         return
     n_parts = min(<int64_t>num_threads, n_tasks)
     for part in prange(n_parts, schedule='static', num_threads=n_parts):
