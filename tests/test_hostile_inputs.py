@@ -2363,3 +2363,33 @@ def test_add_norm_checks_the_normalization_before_writing_sum_out(impl, func, ba
     with pytest.raises(ValueError, match=bad):
         getattr(module, func)(x, x, **kwargs)
     assert (out == SENTINEL).all() and (sum_out == SENTINEL).all()
+
+
+# Rows whose spread is at the last bit of their values: the rounded mean is off by as much as
+# the spread, so x - mean must be centred again on its own mean.
+OFFSET_ROWS = np.array([[1.0 + 2.0 ** -52, 1.0, 1.0],
+                        [1.6535941911098482e308, 1.653594191109848e308, 1.653594191109848e308],
+                        [1e8 + 1.0, 1e8, 1e8]])
+# x_hat of each row: the deviations from the exact mean are (2, -1, -1) / 3 of the spread
+OFFSET_X_HAT = np.tile([math.sqrt(2.0), -math.sqrt(0.5), -math.sqrt(0.5)], (3, 1))
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+def test_a_spread_at_the_last_bit_is_centred_on_the_exact_mean(impl):
+    """The reference took x - mean with the mean rounded to float64, which for [1 + 2**-52, 1, 1]
+    is 1: y was [1.73, 0, 0] (also for BatchNorm and add_layer_norm, and near DBL_MAX), and
+    for [1e8 + 1, 1e8, 1e8] y was off in the 8th digit. The kernels centre d = x - mean on
+    mean(d); the reference now does the same."""
+    module = fastln if impl == "fastln" else ref
+    assert_agrees(module.layer_norm(OFFSET_ROWS, eps=0.0), OFFSET_X_HAT, 1e-12, "layer_norm")
+    y, _ = module.add_layer_norm(OFFSET_ROWS, np.zeros_like(OFFSET_ROWS), eps=0.0)
+    assert_agrees(y, OFFSET_X_HAT, 1e-12, "add_layer_norm")
+    y = module.batch_norm(OFFSET_ROWS.T.copy(), training=True, eps=0.0)
+    assert_agrees(y, OFFSET_X_HAT.T, 1e-12, "batch_norm")
+    # dy = x_hat: dx is 0 (dy lies in the span of 1 and x_hat), dgamma = x_hat**2
+    _, cache = module.layer_norm_forward(OFFSET_ROWS[:1], eps=0.0)
+    dx, dgamma, _ = module.layer_norm_backward(OFFSET_X_HAT[:1], cache)
+    rstd = 1.0 / (2.0 ** -52 * math.sqrt(2.0) / 3.0)
+    assert_agrees(dx, np.zeros((1, 3)), 1e-12 * rstd, "dx")
+    assert_agrees(dgamma, OFFSET_X_HAT[0] ** 2, 1e-12, "dgamma")
+
