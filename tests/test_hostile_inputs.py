@@ -2393,3 +2393,17 @@ def test_a_spread_at_the_last_bit_is_centred_on_the_exact_mean(impl):
     assert_agrees(dx, np.zeros((1, 3)), 1e-12 * rstd, "dx")
     assert_agrees(dgamma, OFFSET_X_HAT[0] ** 2, 1e-12, "dgamma")
 
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+def test_batch_norm_out_overlapping_the_running_statistics_is_refused_by_both(impl):
+    """Training mode updates running_mean in place: fastln refused an out on top of it, the
+    reference wrote both (it is documented to raise the same errors)."""
+    module = fastln if impl == "fastln" else ref
+    buffer = np.arange(64.0)
+    x, running_mean, running_var = buffer[:48].reshape(3, 16), buffer[48:], np.ones(16)
+    before = buffer.copy()
+    with pytest.raises(ValueError, match="out overlaps running_mean or running_var"):
+        module.batch_norm(x, running_mean=running_mean, running_var=running_var, training=True,
+                          out=buffer[16:].reshape(3, 16))
+    assert_bitwise_equal(buffer, before, "buffer")
+    assert (running_var == 1.0).all()
