@@ -2407,3 +2407,50 @@ def test_batch_norm_out_overlapping_the_running_statistics_is_refused_by_both(im
                           out=buffer[16:].reshape(3, 16))
     assert_bitwise_equal(buffer, before, "buffer")
     assert (running_var == 1.0).all()
+
+
+@pytest.mark.parametrize("repeats", [1, 8, 100])  # a group of rows, or more
+def test_rms_norm_backward_float64_dy_near_dbl_max(repeats):
+    """float64 dy near DBL_MAX on ordinary x: sum(dy * x_hat) overflows although dx ~ rstd * dy
+    does not. LayerNorm took such a row again from x, rescaled; RMSNorm gave NaN and Inf. The
+    reference (which scales each row of dy by a power of two) is right on them."""
+    x = np.tile([[1.0, -1.0, 0.0, 0.0], [1e3, 1e3, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]],
+                (repeats, 1))
+    dy = np.tile([[1e308, -1e308, 0.0, 0.0], [0.9 * DBL_MAX, -0.9 * DBL_MAX, 0.0, 0.0],
+                  [1.0, -2.0, 3.0, 0.5]], (repeats, 1))
+    expected = ref.rms_norm_backward(dy, ref.rms_norm_forward(x)[1])
+    assert np.all(np.isfinite(expected[0]))
+    dx, dgamma = fastln.rms_norm_backward(dy, fastln.rms_norm_forward(x)[1])
+    assert_agrees(dx, expected[0], 1e-12 * np.abs(expected[0]).max(axis=1, keepdims=True), "dx")
+    assert_agrees(dgamma, expected[1], 1e-12 * np.abs(expected[1]).max(), "dgamma")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_float64_backward_when_dy_times_gamma_overflows_float64(op):
+    """dy ~ 1e307 times gamma = 100 is beyond float64, dx ~ rstd * dy * gamma ~ 1e299 is not
+    (x ~ 1e10): the rescaled backward formed dy * gamma itself before scaling it (Inf)."""
+    x = np.array([[1e10, -1e10, 3e10]])
+    dy = np.array([[1e307, -2e307, 5e306]])
+    gamma = np.full(3, 100.0)
+    forward, backward = getattr(ref, op + "_forward"), getattr(ref, op + "_backward")
+    expected = backward(dy, forward(x, gamma)[1], gamma)
+    assert np.all(np.isfinite(expected[0]))
+    result = getattr(fastln, op + "_backward")(dy, getattr(fastln, op + "_forward")(x, gamma)[1],
+                                               gamma)
+    assert_agrees(result[0], expected[0], 1e-12 * np.abs(expected[0]).max(), "dx")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_backward_when_dy_times_gamma_overflows_float32(dtype):
+    """The RMSNorm twin of test_float32_backward_when_dy_times_gamma_overflows_float32: the
+    float32-compute RMSNorm backward forms dy * gamma in float32, and gave Inf."""
+    dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else dtype)
+    x = np.array([[1e30, -2e30, 3e30, 0.5e30]] * 3, np.float32).astype(dtype)
+    dy = np.array([[1e38, -2e38, 0.5e38, 3e37]] * 3, np.float32).astype(dtype)
+    gamma = np.full(4, 10.0, np.float32)
+    expected = ref.rms_norm_backward(dy, ref.rms_norm_forward(x, gamma)[1], gamma)
+    dx, dgamma = fastln.rms_norm_backward(dy, fastln.rms_norm_forward(x, gamma)[1], gamma)
+    dx_expected = expected[0].astype(np.float32)
+    assert np.all(np.isfinite(dx_expected))
+    assert_agrees(dx.astype(np.float32), dx_expected, 2 ** -7 * np.abs(dx_expected), "dx")
+    assert_agrees(dgamma, expected[1], 1e-5 * np.abs(expected[1]).max(), "dgamma")

@@ -30,9 +30,46 @@ FASTLN_INLINE double FASTLN_NAME(dx_hat)(const FASTLN_T *dy, const FASTLN_P *gam
     return gamma ? dy_j * (double)gamma[j] : dy_j;
 }
 
+/* The powers of two of a rare row's dx_hat = dy * gamma (fastln_dx_hat_scale): dx_hat_scaled
+ * is dx_hat * 2^-(dy + gamma), below 1, formed without dy * gamma itself, which may be beyond
+ * double (float64 dy near DBL_MAX times gamma > 1). */
+static fastln_dx_hat_scale FASTLN_NAME(dx_hat_scale)(const FASTLN_T *dy, const FASTLN_P *gamma,
+                                                     int64_t n_cols)
+{
+    double largest_dy = 0.0, largest_gamma = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double dy_j = fabs(FASTLN_NAME(to_double)(dy[j]));
+        if (dy_j <= DBL_MAX) largest_dy = fmax(largest_dy, dy_j);
+        if (gamma && fabs((double)gamma[j]) <= DBL_MAX)
+            largest_gamma = fmax(largest_gamma, fabs((double)gamma[j]));
+    }
+    fastln_dx_hat_scale scale = {0, 0};
+    if (largest_dy > 0.0) frexp(largest_dy, &scale.dy);
+    if (largest_gamma > 0.0) frexp(largest_gamma, &scale.gamma);
+    return scale;
+}
+
+FASTLN_INLINE double FASTLN_NAME(dx_hat_scaled)(const FASTLN_T *dy, const FASTLN_P *gamma,
+                                                int64_t j, fastln_dx_hat_scale scale)
+{
+    const double dy_j = ldexp(FASTLN_NAME(to_double)(dy[j]), -scale.dy);
+    return gamma ? dy_j * ldexp((double)gamma[j], -scale.gamma) : dy_j;
+}
+
+/* Whether every dy, x and gamma of a row is finite. */
+static int FASTLN_NAME(row_is_finite)(const FASTLN_T *dy, const FASTLN_T *x,
+                                      const FASTLN_P *gamma, int64_t n_cols)
+{
+    int finite = 1;
+    for (int64_t j = 0; j < n_cols; j++)
+        finite &= isfinite(FASTLN_NAME(to_double)(dy[j])) && isfinite(FASTLN_NAME(to_double)(x[j]))
+                  && (!gamma || isfinite((double)gamma[j]));
+    return finite;
+}
+
 /* Backward of a row from its statistics taken again from x (ln_statistics), all in double:
  *     x_hat = fastln_ln_rare_x_hat(x)                                        (|x_hat| <= sqrt(n))
- *     g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|                   (|g| < 1)
+ *     g = dx_hat * 2^-k, 2^k = 2^a 2^b just above max |dy| max |gamma|    (|g| < 1)
  *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), exponent + k)
  * so no product leaves double's range unless dx itself does. For the rows the vector passes
  * cannot take: an rstd beyond the cache's range (Inf: float32 subnormal spreads, float64 ones
@@ -44,17 +81,12 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
 {
     fastln_ln_stats stats;
     FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
-    double largest = 0.0;
-    for (int64_t j = 0; j < n_cols; j++) {
-        const double dx_hat = FASTLN_NAME(dx_hat)(dy, gamma, j);
-        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
-    }
-    int k = 0;
-    if (largest > 0.0) frexp(largest, &k);
+    const fastln_dx_hat_scale scale = FASTLN_NAME(dx_hat_scale)(dy, gamma, n_cols);
+    const int k = scale.dy + scale.gamma;
     double sum_g = 0.0, sum_g_xhat = 0.0;
     for (int64_t j = 0; j < n_cols; j++) {
         const double x_hat = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), &stats);
-        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
+        const double g = FASTLN_NAME(dx_hat_scaled)(dy, gamma, j, scale);
         sum_g += g;
         sum_g_xhat += g * x_hat;
     }
@@ -63,7 +95,7 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
     for (int64_t j = 0; j < n_cols; j++) {
         const double x_hat = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), &stats);
         const double dy_j = FASTLN_NAME(to_double)(dy[j]);
-        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
+        const double g = FASTLN_NAME(dx_hat_scaled)(dy, gamma, j, scale);
         dgamma_acc[j] += (FASTLN_P)(dy_j * x_hat);
         dbeta_acc[j] += (FASTLN_P)dy_j;
         dx[j] = FASTLN_NAME(from_double)(
@@ -156,9 +188,11 @@ static void FASTLN_NAME(rms_write_rescaled)(const FASTLN_T *x, const FASTLN_P *g
 /* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is
  * beyond the cache's range (float32 values below ~1e-38, float64 ones below ~1e-308 with
  * eps = 0), so it is taken again from x, all in double:
- *     x_hat = ldexp(x, e) * rstd_scaled,   g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|
+ *     x_hat = ldexp(x, e) * rstd_scaled,   g = dx_hat * 2^-k, 2^k above max |dy| max |gamma|
  *     dx = ldexp(rstd_scaled * (g - x_hat * mean(g * x_hat)), e + k)
- * Returns 0 (and does nothing) for an all-zero row. dx may be dy. */
+ * Also for the rows whose mean(dx_hat * x_hat) was beyond double (float64 dy near DBL_MAX, or
+ * a float32 dy * gamma beyond float). Returns 0 (and does nothing) for an all-zero row. dx may
+ * be dy. */
 static int FASTLN_NAME(rms_backward_row_recomputed)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double eps, FASTLN_T *dx,
     int64_t n_cols, double *dgamma_acc)
@@ -168,22 +202,17 @@ static int FASTLN_NAME(rms_backward_row_recomputed)(
     if (isinf(rstd_scaled))
         rstd_scaled = FASTLN_NAME(rms_rescaled_rstd)(x, n_cols, eps, &exponent);
     if (isinf(rstd_scaled)) return 0; /* all zeros with eps = 0 */
-    double largest = 0.0;
-    for (int64_t i = 0; i < n_cols; i++) {
-        const double dx_hat = FASTLN_NAME(dx_hat)(dy, gamma, i);
-        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
-    }
-    int k = 0;
-    if (largest > 0.0) frexp(largest, &k);
+    const fastln_dx_hat_scale scale = FASTLN_NAME(dx_hat_scale)(dy, gamma, n_cols);
+    const int k = scale.dy + scale.gamma;
     double sum_g_xhat = 0.0;
     for (int64_t i = 0; i < n_cols; i++)
-        sum_g_xhat += ldexp(FASTLN_NAME(dx_hat)(dy, gamma, i), -k)
+        sum_g_xhat += FASTLN_NAME(dx_hat_scaled)(dy, gamma, i, scale)
                       * (ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled);
     const double mean_g_xhat = sum_g_xhat / (double)n_cols;
     for (int64_t i = 0; i < n_cols; i++) {
         const double dy_i = FASTLN_NAME(to_double)(dy[i]);
         const double x_hat = ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled;
-        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, i), -k);
+        const double g = FASTLN_NAME(dx_hat_scaled)(dy, gamma, i, scale);
         dgamma_acc[i] += dy_i * x_hat;
         dx[i] = FASTLN_NAME(from_double)(ldexp(rstd_scaled * (g - x_hat * mean_g_xhat),
                                                exponent + k));
