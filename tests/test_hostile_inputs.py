@@ -2454,3 +2454,32 @@ def test_rms_norm_backward_when_dy_times_gamma_overflows_float32(dtype):
     assert np.all(np.isfinite(dx_expected))
     assert_agrees(dx.astype(np.float32), dx_expected, 2 ** -7 * np.abs(dx_expected), "dx")
     assert_agrees(dgamma, expected[1], 1e-5 * np.abs(expected[1]).max(), "dgamma")
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e3, 1e-3])
+@pytest.mark.parametrize("layout", ["rows", "nchw"])
+def test_batch_norm_backward_float64_dy_near_dbl_max(scale, layout):
+    """float64 dy near DBL_MAX in training mode: the sums of dy and dy * (x - mean) overflow,
+    or dgamma does (legitimately), although dx does not (or is an infinity of one sign). The
+    rescaled path scaled x but not dy: dx was +-inf of any sign, or NaN, and dbeta inf where a
+    partial sum overflowed ([1e308, 1e308, -1e308]). dy is now scaled too."""
+    x = np.array([[1.0], [-1.0], [2.0]]) * scale
+    dy = np.array([[1e308], [-1e308], [1e308]])
+    dy2 = np.array([[1e308], [1e308], [-1e308]])
+    if layout == "nchw":  # (N, C, W): n_inner > 1, features on axis 1
+        x = np.stack([x, x * 0.5, -x], axis=1).reshape(3, 3, 1).repeat(2, axis=2)
+        dy = np.stack([dy, dy2, dy * 0.5], axis=1).reshape(3, 3, 1).repeat(2, axis=2)
+        axis = 1
+    else:
+        x, dy, axis = np.hstack([x, x]), np.hstack([dy, dy2]), -1
+    expected = ref.batch_norm_backward(
+        dy, ref.batch_norm_forward(x, training=True, eps=0.0, axis=axis)[1])
+    before = dy.copy()
+    result = fastln.batch_norm_backward(
+        dy, fastln.batch_norm_forward(x, training=True, eps=0.0, axis=axis)[1])
+    assert_bitwise_equal(dy, before, "dy")
+    for got, want, name in zip(result, expected, ("dx", "dgamma", "dbeta")):
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(got), finite), name
+        assert np.array_equal(np.sign(got[~finite]), np.sign(want[~finite])), name
+        assert_agrees(got, want, 1e-12 * np.abs(np.where(finite, want, 0.0)).max(), name)

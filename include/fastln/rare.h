@@ -390,6 +390,29 @@ static void FASTLN_NAME(bn_finish_rescaled)(FASTLN_T *y, const fastln_bn_call *c
  * center_scaled, rstd_scaled * dgamma / count and gamma * rstd_scaled). When k or coef is out
  * of range, the feature gets constants that copy dy into dx unchanged, and its index goes to
  * c->finish for bn_finish_rescaled_backward. Sets *c->n_finish. */
+/* The power of two 2^j just above max |dy| over a feature's finite values (j = 0 for zeros);
+ * *finite_out: whether they all are finite. For the features whose sums of dy (or dy * d)
+ * overflowed although each dy is finite (float64 dy near DBL_MAX): their sums are taken on
+ * dy * 2^-j. */
+static int FASTLN_NAME(bn_dy_exponent)(const FASTLN_T *dy, const fastln_bn_call *c, int64_t f,
+                                       int *finite_out)
+{
+    const FASTLN_T *column = dy + f * c->n_inner;
+    double largest = 0.0;
+    int finite = 1;
+    for (int64_t k = 0; k < c->n_outer; k++)
+        for (int64_t l = 0; l < c->n_inner; l++) {
+            const double value = fabs(FASTLN_NAME(bn_value)(column, c->n_features, c->n_inner,
+                                                            k, l));
+            finite &= value <= DBL_MAX;
+            if (value <= DBL_MAX) largest = fmax(largest, value);
+        }
+    int j = 0;
+    if (largest > 0.0) frexp(largest, &j);
+    if (finite_out) *finite_out = finite;
+    return j;
+}
+
 static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T *x,
                                              const fastln_bn_call *c)
 {
@@ -404,7 +427,14 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
         const int overflowed =
             (!isfinite(c->sum_dy_d[f]) && isfinite(c->sum_dy[f]) && isfinite(c->sum_d[f]))
             || (!isfinite(c->sum_d[f]) && isfinite(c->mean[f]));
-        if (!out_of_range && !overflowed) continue;
+        /* a sum of dy or dy * d, or dgamma, beyond double from finite dy (float64 dy near
+         * DBL_MAX): taken on dy * 2^-j below, and dx in bn_finish_rescaled_backward (an
+         * infinite dgamma made coef infinite, and dx an infinity of either sign) */
+        int scale_dy = 0, j = 0;
+        if (!isfinite(c->sum_dy[f]) || !isfinite(c->sum_dy_d[f]) || !isfinite(c->dgamma[f]))
+            j = FASTLN_NAME(bn_dy_exponent)(dy, c, f, &scale_dy);
+        if (!scale_dy) j = 0; /* NaN or Inf in dy: its NaN flows as it always has */
+        if (!out_of_range && !overflowed && !scale_dy) continue;
         int exponent, prescale;
         double center_scaled, var_scaled;
         if (!FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f,
@@ -415,20 +445,28 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
                                                                   exponent);
         const FASTLN_T *dy_column = dy + f * c->n_inner;
         const FASTLN_T *x_column = x + f * c->n_inner;
-        double sum_dy_d_scaled = 0.0;
+        double sum_dy_d_scaled = 0.0, sum_dy_scaled = 0.0; /* of dy * 2^-j */
         for (int64_t k = 0; k < c->n_outer; k++)
             for (int64_t l = 0; l < c->n_inner; l++) {
                 const int64_t at = k * stride + l;
-                sum_dy_d_scaled += FASTLN_NAME(to_double)(dy_column[at])
-                                   * fastln_bn_scaled_deviation(
-                                         FASTLN_NAME(to_double)(x_column[at]), c->mean[f],
-                                         exponent, prescale);
+                const double g = ldexp(FASTLN_NAME(to_double)(dy_column[at]), -j);
+                sum_dy_scaled += g;
+                sum_dy_d_scaled += g * fastln_bn_scaled_deviation(
+                                           FASTLN_NAME(to_double)(x_column[at]), c->mean[f],
+                                           exponent, prescale);
             }
-        const double dgamma = rstd_scaled * (sum_dy_d_scaled - center_scaled * c->sum_dy[f]);
+        /* dgamma * 2^-j; without scale_dy from the slot-order sum of dy, as before */
+        const double dgamma_scaled = rstd_scaled * (
+            sum_dy_d_scaled - center_scaled * (scale_dy ? sum_dy_scaled : c->sum_dy[f]));
         const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
-        const double coef_scaled = rstd_scaled * dgamma / count;
-        c->dgamma[f] = dgamma;
-        if (prescale == 0 && fastln_bn_in_range(k_scaled, exponent)
+        const double coef_scaled = rstd_scaled * dgamma_scaled / count;
+        c->dgamma[f] = ldexp(dgamma_scaled, j);
+        if (scale_dy) {
+            c->sum_dy_d[f] = NAN; /* tells bn_finish_rescaled_backward (not used after) */
+            /* dbeta: a partial sum of [1e308, 1e308, -1e308] overflowed, the sum does not */
+            if (!isfinite(c->sum_dy[f])) c->sum_dy[f] = ldexp(sum_dy_scaled, j);
+        }
+        if (!scale_dy && prescale == 0 && fastln_bn_in_range(k_scaled, exponent)
             && fastln_bn_in_range(coef_scaled, exponent)) {
             c->correction[f] = ldexp(center_scaled, -exponent);
             c->k[f] = ldexp(k_scaled, exponent);
@@ -463,18 +501,39 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
         const double rstd_scaled = fastln_bn_backward_scaled_rstd(c->rstd[f], var_scaled, c->eps,
                                                                   exponent);
         const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
-        const double coef_scaled = rstd_scaled * c->dgamma[f] / count;
-        const double mean_dy = c->sum_dy[f] / count;
         FASTLN_T *dx_column = dx + f * c->n_inner;
         const FASTLN_T *x_column = x + f * c->n_inner;
+        /* dy * 2^-j for the features whose sums of dy overflowed (bn_rescale_backward): their
+         * sums taken again here, on dx's copy of dy */
+        const int scale_dy = isnan(c->sum_dy_d[f]);
+        const int j = scale_dy ? FASTLN_NAME(bn_dy_exponent)(dx, c, f, NULL) : 0;
+        double coef_scaled = rstd_scaled * c->dgamma[f] / count;
+        double mean_dy = c->sum_dy[f] / count;
+        if (scale_dy) {
+            double sum_dy_scaled = 0.0, sum_dy_d_scaled = 0.0;
+            for (int64_t k = 0; k < c->n_outer; k++)
+                for (int64_t l = 0; l < c->n_inner; l++) {
+                    const int64_t at = k * stride + l;
+                    const double g = ldexp(FASTLN_NAME(to_double)(dx_column[at]), -j);
+                    sum_dy_scaled += g;
+                    sum_dy_d_scaled += g * fastln_bn_scaled_deviation(
+                                               FASTLN_NAME(to_double)(x_column[at]), mean,
+                                               exponent, prescale);
+                }
+            coef_scaled = rstd_scaled * (rstd_scaled * (sum_dy_d_scaled - center_scaled
+                                                        * sum_dy_scaled)) / count;
+            mean_dy = sum_dy_scaled / count;
+        }
         for (int64_t k = 0; k < c->n_outer; k++)
             for (int64_t l = 0; l < c->n_inner; l++) {
                 const int64_t at = k * stride + l;
                 const double d = fastln_bn_scaled_deviation(FASTLN_NAME(to_double)(x_column[at]),
                                                             mean, exponent, prescale);
-                const double dy_centred = FASTLN_NAME(to_double)(dx_column[at]) - mean_dy;
+                const double dy_centred =
+                    ldexp(FASTLN_NAME(to_double)(dx_column[at]), -j) - mean_dy;
                 dx_column[at] = FASTLN_NAME(from_double)(
-                    ldexp(k_scaled * (dy_centred - (d - center_scaled) * coef_scaled), exponent));
+                    ldexp(k_scaled * (dy_centred - (d - center_scaled) * coef_scaled),
+                          exponent + j));
             }
     }
 }
