@@ -2483,3 +2483,14 @@ def test_batch_norm_backward_float64_dy_near_dbl_max(scale, layout):
         assert np.array_equal(np.isfinite(got), finite), name
         assert np.array_equal(np.sign(got[~finite]), np.sign(want[~finite])), name
         assert_agrees(got, want, 1e-12 * np.abs(np.where(finite, want, 0.0)).max(), name)
+
+
+def test_batch_norm_backward_when_coef_alone_overflows():
+    """rstd * dgamma / count passed DBL_MAX (rstd ~ 3.5, dgamma ~ 1.3e308) with every sum and
+    dgamma itself finite: coef was Inf and dx [inf, -inf] where it is [-3.8e304, 3.8e304]."""
+    x = np.array([[-2.2474440302142398], [-1.6819181632931706]])
+    dy = np.array([[-1.0750228567302184e308], [6.448342620682193e307]])
+    expected = ref.batch_norm_backward(dy, ref.batch_norm_forward(x, training=True)[1])[0]
+    dx = fastln.batch_norm_backward(dy, fastln.batch_norm_forward(x, training=True)[1])[0]
+    assert np.all(np.isfinite(expected))
+    assert_agrees(dx, expected, 1e-9 * np.abs(expected).max(), "dx")

@@ -427,11 +427,12 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
         const int overflowed =
             (!isfinite(c->sum_dy_d[f]) && isfinite(c->sum_dy[f]) && isfinite(c->sum_d[f]))
             || (!isfinite(c->sum_d[f]) && isfinite(c->mean[f]));
-        /* a sum of dy or dy * d, or dgamma, beyond double from finite dy (float64 dy near
-         * DBL_MAX): taken on dy * 2^-j below, and dx in bn_finish_rescaled_backward (an
-         * infinite dgamma made coef infinite, and dx an infinity of either sign) */
+        /* a sum of dy or dy * d, dgamma or coef = rstd * dgamma / count beyond double from
+         * finite dy (float64 dy near DBL_MAX): taken on dy * 2^-j below, and dx in
+         * bn_finish_rescaled_backward (an infinite coef made dx an infinity of either sign) */
         int scale_dy = 0, j = 0;
-        if (!isfinite(c->sum_dy[f]) || !isfinite(c->sum_dy_d[f]) || !isfinite(c->dgamma[f]))
+        if (!isfinite(c->sum_dy[f]) || !isfinite(c->sum_dy_d[f]) || !isfinite(c->dgamma[f])
+            || !isfinite(c->coef[f]))
             j = FASTLN_NAME(bn_dy_exponent)(dy, c, f, &scale_dy);
         if (!scale_dy) j = 0; /* NaN or Inf in dy: its NaN flows as it always has */
         if (!out_of_range && !overflowed && !scale_dy) continue;
