@@ -433,3 +433,33 @@ def test_settle_allocator_serves_new_arrays_without_page_faults():
     # 256 pages of 4 KiB: ~216 faults here, once 194 (the kernel maps some pages ahead)
     assert faults("fresh") >= 128
     assert faults("settled") < 50
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("kind", ["json", "markdown", "plot"])
+def test_a_file_that_cannot_be_written_is_one_line_and_status_2(kind, tmp_path):
+    """/dev/full opens, and fails only when written: that was a traceback (status 1) for
+    --json and --markdown, and nothing at all for --plot (matplotlib's PNG writer does not
+    report a failed write: status 0, no plot). The other files are still written."""
+    if kind == "plot" and not HAVE_MATPLOTLIB:
+        pytest.skip("needs matplotlib")
+    other = "markdown" if kind == "json" else "json"
+    status, stdout, stderr = run_main(TINY + [f"--{kind}", "/dev/full",
+                                              f"--{other}", str(tmp_path / "other")])
+    assert status == 2
+    assert (f"fastln bench: error: argument --{kind}: cannot write '/dev/full': "
+            in stderr) and "Traceback" not in stderr
+    assert (tmp_path / "other").stat().st_size > 0 and f"wrote {other} " in stdout
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="needs matplotlib")
+def test_the_plot_is_written_under_the_name_given(tmp_path, capsys):
+    """--plot NAME without a suffix wrote NAME.png (matplotlib's doing) and reported NAME; an
+    image format matplotlib does not know failed only after the measurements."""
+    status, stdout, _ = run_main(TINY + ["--plot", str(tmp_path / "speed")])
+    assert status == 0 and (tmp_path / "speed").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "speed.png").exists()
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["bench", "--plot", str(tmp_path / "speed.foo")])
+    assert excinfo.value.code == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "speed.foo").exists()

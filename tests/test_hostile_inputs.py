@@ -2368,3 +2368,134 @@ def test_add_norm_checks_the_normalization_before_writing_sum_out(impl, func, ba
     with pytest.raises(ValueError, match=bad):
         getattr(module, func)(x, x, **kwargs)
     assert (out == SENTINEL).all() and (sum_out == SENTINEL).all()
+
+
+# Rows whose spread is at the last bit of their values: the rounded mean is off by as much as
+# the spread, so x - mean must be centred again on its own mean.
+OFFSET_ROWS = np.array([[1.0 + 2.0 ** -52, 1.0, 1.0],
+                        [1.6535941911098482e308, 1.653594191109848e308, 1.653594191109848e308],
+                        [1e8 + 1.0, 1e8, 1e8]])
+# x_hat of each row: the deviations from the exact mean are (2, -1, -1) / 3 of the spread
+OFFSET_X_HAT = np.tile([math.sqrt(2.0), -math.sqrt(0.5), -math.sqrt(0.5)], (3, 1))
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+def test_a_spread_at_the_last_bit_is_centred_on_the_exact_mean(impl):
+    """The reference took x - mean with the mean rounded to float64, which for [1 + 2**-52, 1, 1]
+    is 1: y was [1.73, 0, 0] (also for BatchNorm and add_layer_norm, and near DBL_MAX), and
+    for [1e8 + 1, 1e8, 1e8] y was off in the 8th digit. The kernels centre d = x - mean on
+    mean(d); the reference now does the same."""
+    module = fastln if impl == "fastln" else ref
+    assert_agrees(module.layer_norm(OFFSET_ROWS, eps=0.0), OFFSET_X_HAT, 1e-12, "layer_norm")
+    y, _ = module.add_layer_norm(OFFSET_ROWS, np.zeros_like(OFFSET_ROWS), eps=0.0)
+    assert_agrees(y, OFFSET_X_HAT, 1e-12, "add_layer_norm")
+    y = module.batch_norm(OFFSET_ROWS.T.copy(), training=True, eps=0.0)
+    assert_agrees(y, OFFSET_X_HAT.T, 1e-12, "batch_norm")
+    # dy = x_hat: dx is 0 (dy lies in the span of 1 and x_hat), dgamma = x_hat**2
+    _, cache = module.layer_norm_forward(OFFSET_ROWS[:1], eps=0.0)
+    dx, dgamma, _ = module.layer_norm_backward(OFFSET_X_HAT[:1], cache)
+    rstd = 1.0 / (2.0 ** -52 * math.sqrt(2.0) / 3.0)
+    assert_agrees(dx, np.zeros((1, 3)), 1e-12 * rstd, "dx")
+    assert_agrees(dgamma, OFFSET_X_HAT[0] ** 2, 1e-12, "dgamma")
+
+
+@pytest.mark.parametrize("impl", ["fastln", "reference"])
+def test_batch_norm_out_overlapping_the_running_statistics_is_refused_by_both(impl):
+    """Training mode updates running_mean in place: fastln refused an out on top of it, the
+    reference wrote both (it is documented to raise the same errors)."""
+    module = fastln if impl == "fastln" else ref
+    buffer = np.arange(64.0)
+    x, running_mean, running_var = buffer[:48].reshape(3, 16), buffer[48:], np.ones(16)
+    before = buffer.copy()
+    with pytest.raises(ValueError, match="out overlaps running_mean or running_var"):
+        module.batch_norm(x, running_mean=running_mean, running_var=running_var, training=True,
+                          out=buffer[16:].reshape(3, 16))
+    assert_bitwise_equal(buffer, before, "buffer")
+    assert (running_var == 1.0).all()
+
+
+@pytest.mark.parametrize("repeats", [1, 8, 100])  # a group of rows, or more
+def test_rms_norm_backward_float64_dy_near_dbl_max(repeats):
+    """float64 dy near DBL_MAX on ordinary x: sum(dy * x_hat) overflows although dx ~ rstd * dy
+    does not. LayerNorm took such a row again from x, rescaled; RMSNorm gave NaN and Inf. The
+    reference (which scales each row of dy by a power of two) is right on them."""
+    x = np.tile([[1.0, -1.0, 0.0, 0.0], [1e3, 1e3, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]],
+                (repeats, 1))
+    dy = np.tile([[1e308, -1e308, 0.0, 0.0], [0.9 * DBL_MAX, -0.9 * DBL_MAX, 0.0, 0.0],
+                  [1.0, -2.0, 3.0, 0.5]], (repeats, 1))
+    expected = ref.rms_norm_backward(dy, ref.rms_norm_forward(x)[1])
+    assert np.all(np.isfinite(expected[0]))
+    dx, dgamma = fastln.rms_norm_backward(dy, fastln.rms_norm_forward(x)[1])
+    assert_agrees(dx, expected[0], 1e-12 * np.abs(expected[0]).max(axis=1, keepdims=True), "dx")
+    assert_agrees(dgamma, expected[1], 1e-12 * np.abs(expected[1]).max(), "dgamma")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_float64_backward_when_dy_times_gamma_overflows_float64(op):
+    """dy ~ 1e307 times gamma = 100 is beyond float64, dx ~ rstd * dy * gamma ~ 1e299 is not
+    (x ~ 1e10): the rescaled backward formed dy * gamma itself before scaling it (Inf)."""
+    x = np.array([[1e10, -1e10, 3e10]])
+    dy = np.array([[1e307, -2e307, 5e306]])
+    gamma = np.full(3, 100.0)
+    forward, backward = getattr(ref, op + "_forward"), getattr(ref, op + "_backward")
+    expected = backward(dy, forward(x, gamma)[1], gamma)
+    assert np.all(np.isfinite(expected[0]))
+    result = getattr(fastln, op + "_backward")(dy, getattr(fastln, op + "_forward")(x, gamma)[1],
+                                               gamma)
+    assert_agrees(result[0], expected[0], 1e-12 * np.abs(expected[0]).max(), "dx")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_backward_when_dy_times_gamma_overflows_float32(dtype):
+    """The RMSNorm twin of test_float32_backward_when_dy_times_gamma_overflows_float32: the
+    float32-compute RMSNorm backward forms dy * gamma in float32, and gave Inf."""
+    dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else dtype)
+    x = np.array([[1e30, -2e30, 3e30, 0.5e30]] * 3, np.float32).astype(dtype)
+    dy = np.array([[1e38, -2e38, 0.5e38, 3e37]] * 3, np.float32).astype(dtype)
+    gamma = np.full(4, 10.0, np.float32)
+    expected = ref.rms_norm_backward(dy, ref.rms_norm_forward(x, gamma)[1], gamma)
+    dx, dgamma = fastln.rms_norm_backward(dy, fastln.rms_norm_forward(x, gamma)[1], gamma)
+    dx_expected = expected[0].astype(np.float32)
+    assert np.all(np.isfinite(dx_expected))
+    assert_agrees(dx.astype(np.float32), dx_expected, 2 ** -7 * np.abs(dx_expected), "dx")
+    assert_agrees(dgamma, expected[1], 1e-5 * np.abs(expected[1]).max(), "dgamma")
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e3, 1e-3])
+@pytest.mark.parametrize("layout", ["rows", "nchw"])
+def test_batch_norm_backward_float64_dy_near_dbl_max(scale, layout):
+    """float64 dy near DBL_MAX in training mode: the sums of dy and dy * (x - mean) overflow,
+    or dgamma does (legitimately), although dx does not (or is an infinity of one sign). The
+    rescaled path scaled x but not dy: dx was +-inf of any sign, or NaN, and dbeta inf where a
+    partial sum overflowed ([1e308, 1e308, -1e308]). dy is now scaled too."""
+    x = np.array([[1.0], [-1.0], [2.0]]) * scale
+    dy = np.array([[1e308], [-1e308], [1e308]])
+    dy2 = np.array([[1e308], [1e308], [-1e308]])
+    if layout == "nchw":  # (N, C, W): n_inner > 1, features on axis 1
+        x = np.stack([x, x * 0.5, -x], axis=1).reshape(3, 3, 1).repeat(2, axis=2)
+        dy = np.stack([dy, dy2, dy * 0.5], axis=1).reshape(3, 3, 1).repeat(2, axis=2)
+        axis = 1
+    else:
+        x, dy, axis = np.hstack([x, x]), np.hstack([dy, dy2]), -1
+    expected = ref.batch_norm_backward(
+        dy, ref.batch_norm_forward(x, training=True, eps=0.0, axis=axis)[1])
+    before = dy.copy()
+    result = fastln.batch_norm_backward(
+        dy, fastln.batch_norm_forward(x, training=True, eps=0.0, axis=axis)[1])
+    assert_bitwise_equal(dy, before, "dy")
+    for got, want, name in zip(result, expected, ("dx", "dgamma", "dbeta")):
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(got), finite), name
+        assert np.array_equal(np.sign(got[~finite]), np.sign(want[~finite])), name
+        assert_agrees(got, want, 1e-12 * np.abs(np.where(finite, want, 0.0)).max(), name)
+
+
+def test_batch_norm_backward_when_coef_alone_overflows():
+    """rstd * dgamma / count passed DBL_MAX (rstd ~ 3.5, dgamma ~ 1.3e308) with every sum and
+    dgamma itself finite: coef was Inf and dx [inf, -inf] where it is [-3.8e304, 3.8e304]."""
+    x = np.array([[-2.2474440302142398], [-1.6819181632931706]])
+    dy = np.array([[-1.0750228567302184e308], [6.448342620682193e307]])
+    expected = ref.batch_norm_backward(dy, ref.batch_norm_forward(x, training=True)[1])[0]
+    dx = fastln.batch_norm_backward(dy, fastln.batch_norm_forward(x, training=True)[1])[0]
+    assert np.all(np.isfinite(expected))
+    assert_agrees(dx, expected, 1e-9 * np.abs(expected).max(), "dx")

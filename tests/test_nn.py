@@ -3,6 +3,8 @@ the one-forward-one-backward rule, gradient accumulation, state dicts, files, ch
 
 The torch tests skip when PyTorch is not installed; everything else runs without it.
 """
+import io
+import zipfile
 from decimal import Decimal
 from fractions import Fraction
 
@@ -604,3 +606,34 @@ def test_load_of_a_file_that_is_not_a_saved_state_dict_is_a_clear_error(tmp_path
         assert _state_unchanged(layer, before)
     with pytest.raises(FileNotFoundError):
         layer.load(tmp_path / "missing")
+
+
+def _forged_npz(path, entries):
+    """An .npz whose entries are headers declaring (10**11,) float32 arrays (373 GiB) and
+    holding no data, beside real arrays."""
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000,), }"
+    header = header.ljust(117) + b"\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, value in entries.items():
+            if value is None:
+                archive.writestr(name + ".npy", b"\x93NUMPY\x01\x00" + b"v\x00" + header)
+            else:
+                buffer = io.BytesIO()
+                np.save(buffer, value)
+                archive.writestr(name + ".npy", buffer.getvalue())
+
+
+def test_load_of_an_entry_declaring_a_huge_array_reads_no_data(tmp_path):
+    """NumPy allocates what an entry's header declares before reading its data: a forged
+    (10**11,) entry made load() raise MemoryError (or, when it fits, allocate gigabytes).
+    The header's shape is now checked against the layer first; an unexpected entry is refused
+    by name without being read."""
+    layer = nn.LayerNorm(3)
+    before = layer.state_dict()
+    _forged_npz(tmp_path / "weight.npz", {"weight": None, "bias": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match=r"state_dict\['weight'\] has shape \(100000000000,\)"):
+        layer.load(tmp_path / "weight.npz")
+    _forged_npz(tmp_path / "extra.npz", {**before, "extra": None})
+    with pytest.raises(KeyError, match="unexpected key"):
+        layer.load(tmp_path / "extra.npz")
+    assert _state_unchanged(layer, before)

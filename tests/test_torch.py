@@ -365,3 +365,29 @@ def test_rms_module_views_and_training_step():
         optimizer.zero_grad()
         y.square().sum().backward()
         optimizer.step()
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
+def test_a_second_derivative_raises_instead_of_being_zero(kind):
+    """fastln has no double backward. once_differentiable's error node hung off detached
+    copies, so torch.autograd.grad(..., inputs) never reached it: the second derivative came
+    back None (zeros with materialize_grads) and gradgradcheck reported a Jacobian mismatch.
+    Every differentiation through the gradients raises now; first derivatives are unchanged."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    func = getattr(ft, kind)
+    if kind == "group_norm":  # x as (N, C, 1), one group of its 5 channels
+        def func(a, _, b, group_norm=ft.group_norm):
+            return group_norm(a.reshape(3, 5, 1), 1, b).reshape(3, 5)
+    plain = torch.autograd.grad((func(x, (5,), w) ** 3).sum(), (x, w))
+    gx, gw = torch.autograd.grad((func(x, (5,), w) ** 3).sum(), (x, w), create_graph=True)
+    for got, expected in zip((gx, gw), plain):
+        assert_bitwise_equal(got.detach().numpy(), expected.numpy(), "first derivative")
+    for second in (lambda: torch.autograd.grad(gx.sum(), (x, w), allow_unused=True),
+                   lambda: torch.autograd.grad((gw ** 2).sum(), (w,), allow_unused=True),
+                   lambda: (gx.sum() + gw.sum()).backward()):
+        with pytest.raises(RuntimeError, match="fastln.torch has no double backward"):
+            second()
+    with pytest.raises(RuntimeError, match="fastln.torch has no double backward"):
+        torch.autograd.gradgradcheck(lambda a, b: func(a, (5,), b), (x, w))

@@ -793,6 +793,12 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
     row.rstd = rstd;
     row.x_scale = fastln_rms_x_scale(rstd);
     row.mean_dxhat_xhat = FASTLN_NAME(rms_backward_mean)(dy, x, gamma, row.x_scale, n_cols);
+    /* A mean beyond double (or float: dy * gamma) in a row of finite values: its products
+     * overflowed (float64 dy near DBL_MAX), and the row is done from x, rescaled. */
+    if (!isfinite(row.mean_dxhat_xhat) && !isinf(rstd)
+        && FASTLN_NAME(row_is_finite)(dy, x, gamma, n_cols)
+        && FASTLN_NAME(rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols, dgamma_acc))
+        return;
     FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc, streaming);
 }
 
@@ -820,9 +826,18 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
                                                dgamma_acc, streaming);
         return;
     }
-    for (int64_t r = 0; r < n_rows; r++)
+    for (int64_t r = 0; grouped && r < n_rows; r++) {
         rows[r].mean_dxhat_xhat = FASTLN_NAME(rms_backward_mean)(
             dy + r * n_cols, x + r * n_cols, gamma, rows[r].x_scale, n_cols);
+        grouped = isfinite(rows[r].mean_dxhat_xhat);
+    }
+    if (!grouped) { /* a row whose products overflowed (or holding NaN or Inf): row by row */
+        for (int64_t r = 0; r < n_rows; r++)
+            FASTLN_NAME(rms_norm_backward_row)(dy + r * n_cols, x + r * n_cols, gamma,
+                                               (double)rstd[r], eps, dx + r * n_cols, n_cols,
+                                               dgamma_acc, 0);
+        return;
+    }
     FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc, 0);
 }
 

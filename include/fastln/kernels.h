@@ -213,6 +213,12 @@ FASTLN_INLINE double fastln_rms_x_scale(double rstd)
     return rstd <= DBL_MAX ? rstd : (rstd == rstd ? 0.0 : rstd);
 }
 
+/* The rare paths' scaling of dx_hat = dy * gamma: max |dy| < 2^dy and max |gamma| < 2^gamma,
+ * over their finite values (0 for a row of zeros, or no gamma). */
+typedef struct {
+    int dy, gamma;
+} fastln_dx_hat_scale;
+
 /* Backward rows go through the write pass in groups of this many (layer_norm_backward_rows,
  * rms_norm_backward_rows); the float32-compute types' float dgamma/dbeta accumulators are
  * folded into the double partial sums every FASTLN_ROWS_PER_FLUSH rows of a block (a multiple

@@ -30,9 +30,46 @@ FASTLN_INLINE double FASTLN_NAME(dx_hat)(const FASTLN_T *dy, const FASTLN_P *gam
     return gamma ? dy_j * (double)gamma[j] : dy_j;
 }
 
+/* The powers of two of a rare row's dx_hat = dy * gamma (fastln_dx_hat_scale): dx_hat_scaled
+ * is dx_hat * 2^-(dy + gamma), below 1, formed without dy * gamma itself, which may be beyond
+ * double (float64 dy near DBL_MAX times gamma > 1). */
+static fastln_dx_hat_scale FASTLN_NAME(dx_hat_scale)(const FASTLN_T *dy, const FASTLN_P *gamma,
+                                                     int64_t n_cols)
+{
+    double largest_dy = 0.0, largest_gamma = 0.0;
+    for (int64_t j = 0; j < n_cols; j++) {
+        const double dy_j = fabs(FASTLN_NAME(to_double)(dy[j]));
+        if (dy_j <= DBL_MAX) largest_dy = fmax(largest_dy, dy_j);
+        if (gamma && fabs((double)gamma[j]) <= DBL_MAX)
+            largest_gamma = fmax(largest_gamma, fabs((double)gamma[j]));
+    }
+    fastln_dx_hat_scale scale = {0, 0};
+    if (largest_dy > 0.0) frexp(largest_dy, &scale.dy);
+    if (largest_gamma > 0.0) frexp(largest_gamma, &scale.gamma);
+    return scale;
+}
+
+FASTLN_INLINE double FASTLN_NAME(dx_hat_scaled)(const FASTLN_T *dy, const FASTLN_P *gamma,
+                                                int64_t j, fastln_dx_hat_scale scale)
+{
+    const double dy_j = ldexp(FASTLN_NAME(to_double)(dy[j]), -scale.dy);
+    return gamma ? dy_j * ldexp((double)gamma[j], -scale.gamma) : dy_j;
+}
+
+/* Whether every dy, x and gamma of a row is finite. */
+static int FASTLN_NAME(row_is_finite)(const FASTLN_T *dy, const FASTLN_T *x,
+                                      const FASTLN_P *gamma, int64_t n_cols)
+{
+    int finite = 1;
+    for (int64_t j = 0; j < n_cols; j++)
+        finite &= isfinite(FASTLN_NAME(to_double)(dy[j])) && isfinite(FASTLN_NAME(to_double)(x[j]))
+                  && (!gamma || isfinite((double)gamma[j]));
+    return finite;
+}
+
 /* Backward of a row from its statistics taken again from x (ln_statistics), all in double:
  *     x_hat = fastln_ln_rare_x_hat(x)                                        (|x_hat| <= sqrt(n))
- *     g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|                   (|g| < 1)
+ *     g = dx_hat * 2^-k, 2^k = 2^a 2^b just above max |dy| max |gamma|    (|g| < 1)
  *     dx = ldexp(rstd_scaled * ((g - mean(g)) - x_hat * mean(g * x_hat)), exponent + k)
  * so no product leaves double's range unless dx itself does. For the rows the vector passes
  * cannot take: an rstd beyond the cache's range (Inf: float32 subnormal spreads, float64 ones
@@ -44,17 +81,12 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
 {
     fastln_ln_stats stats;
     FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
-    double largest = 0.0;
-    for (int64_t j = 0; j < n_cols; j++) {
-        const double dx_hat = FASTLN_NAME(dx_hat)(dy, gamma, j);
-        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
-    }
-    int k = 0;
-    if (largest > 0.0) frexp(largest, &k);
+    const fastln_dx_hat_scale scale = FASTLN_NAME(dx_hat_scale)(dy, gamma, n_cols);
+    const int k = scale.dy + scale.gamma;
     double sum_g = 0.0, sum_g_xhat = 0.0;
     for (int64_t j = 0; j < n_cols; j++) {
         const double x_hat = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), &stats);
-        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
+        const double g = FASTLN_NAME(dx_hat_scaled)(dy, gamma, j, scale);
         sum_g += g;
         sum_g_xhat += g * x_hat;
     }
@@ -63,7 +95,7 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
     for (int64_t j = 0; j < n_cols; j++) {
         const double x_hat = fastln_ln_rare_x_hat(FASTLN_NAME(to_double)(x[j]), &stats);
         const double dy_j = FASTLN_NAME(to_double)(dy[j]);
-        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, j), -k);
+        const double g = FASTLN_NAME(dx_hat_scaled)(dy, gamma, j, scale);
         dgamma_acc[j] += (FASTLN_P)(dy_j * x_hat);
         dbeta_acc[j] += (FASTLN_P)dy_j;
         dx[j] = FASTLN_NAME(from_double)(
@@ -156,9 +188,11 @@ static void FASTLN_NAME(rms_write_rescaled)(const FASTLN_T *x, const FASTLN_P *g
 /* Backward of a row whose cached rstd is Inf but whose values are not all zero: its rstd is
  * beyond the cache's range (float32 values below ~1e-38, float64 ones below ~1e-308 with
  * eps = 0), so it is taken again from x, all in double:
- *     x_hat = ldexp(x, e) * rstd_scaled,   g = ldexp(dx_hat, -k), 2^k just above max |dx_hat|
+ *     x_hat = ldexp(x, e) * rstd_scaled,   g = dx_hat * 2^-k, 2^k above max |dy| max |gamma|
  *     dx = ldexp(rstd_scaled * (g - x_hat * mean(g * x_hat)), e + k)
- * Returns 0 (and does nothing) for an all-zero row. dx may be dy. */
+ * Also for the rows whose mean(dx_hat * x_hat) was beyond double (float64 dy near DBL_MAX, or
+ * a float32 dy * gamma beyond float). Returns 0 (and does nothing) for an all-zero row. dx may
+ * be dy. */
 static int FASTLN_NAME(rms_backward_row_recomputed)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double eps, FASTLN_T *dx,
     int64_t n_cols, double *dgamma_acc)
@@ -168,22 +202,17 @@ static int FASTLN_NAME(rms_backward_row_recomputed)(
     if (isinf(rstd_scaled))
         rstd_scaled = FASTLN_NAME(rms_rescaled_rstd)(x, n_cols, eps, &exponent);
     if (isinf(rstd_scaled)) return 0; /* all zeros with eps = 0 */
-    double largest = 0.0;
-    for (int64_t i = 0; i < n_cols; i++) {
-        const double dx_hat = FASTLN_NAME(dx_hat)(dy, gamma, i);
-        if (isfinite(dx_hat)) largest = fmax(largest, fabs(dx_hat));
-    }
-    int k = 0;
-    if (largest > 0.0) frexp(largest, &k);
+    const fastln_dx_hat_scale scale = FASTLN_NAME(dx_hat_scale)(dy, gamma, n_cols);
+    const int k = scale.dy + scale.gamma;
     double sum_g_xhat = 0.0;
     for (int64_t i = 0; i < n_cols; i++)
-        sum_g_xhat += ldexp(FASTLN_NAME(dx_hat)(dy, gamma, i), -k)
+        sum_g_xhat += FASTLN_NAME(dx_hat_scaled)(dy, gamma, i, scale)
                       * (ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled);
     const double mean_g_xhat = sum_g_xhat / (double)n_cols;
     for (int64_t i = 0; i < n_cols; i++) {
         const double dy_i = FASTLN_NAME(to_double)(dy[i]);
         const double x_hat = ldexp(FASTLN_NAME(to_double)(x[i]), exponent) * rstd_scaled;
-        const double g = ldexp(FASTLN_NAME(dx_hat)(dy, gamma, i), -k);
+        const double g = FASTLN_NAME(dx_hat_scaled)(dy, gamma, i, scale);
         dgamma_acc[i] += dy_i * x_hat;
         dx[i] = FASTLN_NAME(from_double)(ldexp(rstd_scaled * (g - x_hat * mean_g_xhat),
                                                exponent + k));
@@ -361,6 +390,29 @@ static void FASTLN_NAME(bn_finish_rescaled)(FASTLN_T *y, const fastln_bn_call *c
  * center_scaled, rstd_scaled * dgamma / count and gamma * rstd_scaled). When k or coef is out
  * of range, the feature gets constants that copy dy into dx unchanged, and its index goes to
  * c->finish for bn_finish_rescaled_backward. Sets *c->n_finish. */
+/* The power of two 2^j just above max |dy| over a feature's finite values (j = 0 for zeros);
+ * *finite_out: whether they all are finite. For the features whose sums of dy (or dy * d)
+ * overflowed although each dy is finite (float64 dy near DBL_MAX): their sums are taken on
+ * dy * 2^-j. */
+static int FASTLN_NAME(bn_dy_exponent)(const FASTLN_T *dy, const fastln_bn_call *c, int64_t f,
+                                       int *finite_out)
+{
+    const FASTLN_T *column = dy + f * c->n_inner;
+    double largest = 0.0;
+    int finite = 1;
+    for (int64_t k = 0; k < c->n_outer; k++)
+        for (int64_t l = 0; l < c->n_inner; l++) {
+            const double value = fabs(FASTLN_NAME(bn_value)(column, c->n_features, c->n_inner,
+                                                            k, l));
+            finite &= value <= DBL_MAX;
+            if (value <= DBL_MAX) largest = fmax(largest, value);
+        }
+    int j = 0;
+    if (largest > 0.0) frexp(largest, &j);
+    if (finite_out) *finite_out = finite;
+    return j;
+}
+
 static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T *x,
                                              const fastln_bn_call *c)
 {
@@ -375,7 +427,15 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
         const int overflowed =
             (!isfinite(c->sum_dy_d[f]) && isfinite(c->sum_dy[f]) && isfinite(c->sum_d[f]))
             || (!isfinite(c->sum_d[f]) && isfinite(c->mean[f]));
-        if (!out_of_range && !overflowed) continue;
+        /* a sum of dy or dy * d, dgamma or coef = rstd * dgamma / count beyond double from
+         * finite dy (float64 dy near DBL_MAX): taken on dy * 2^-j below, and dx in
+         * bn_finish_rescaled_backward (an infinite coef made dx an infinity of either sign) */
+        int scale_dy = 0, j = 0;
+        if (!isfinite(c->sum_dy[f]) || !isfinite(c->sum_dy_d[f]) || !isfinite(c->dgamma[f])
+            || !isfinite(c->coef[f]))
+            j = FASTLN_NAME(bn_dy_exponent)(dy, c, f, &scale_dy);
+        if (!scale_dy) j = 0; /* NaN or Inf in dy: its NaN flows as it always has */
+        if (!out_of_range && !overflowed && !scale_dy) continue;
         int exponent, prescale;
         double center_scaled, var_scaled;
         if (!FASTLN_NAME(bn_rescaled_moments)(x, c->n_outer, c->n_features, c->n_inner, f,
@@ -386,20 +446,28 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
                                                                   exponent);
         const FASTLN_T *dy_column = dy + f * c->n_inner;
         const FASTLN_T *x_column = x + f * c->n_inner;
-        double sum_dy_d_scaled = 0.0;
+        double sum_dy_d_scaled = 0.0, sum_dy_scaled = 0.0; /* of dy * 2^-j */
         for (int64_t k = 0; k < c->n_outer; k++)
             for (int64_t l = 0; l < c->n_inner; l++) {
                 const int64_t at = k * stride + l;
-                sum_dy_d_scaled += FASTLN_NAME(to_double)(dy_column[at])
-                                   * fastln_bn_scaled_deviation(
-                                         FASTLN_NAME(to_double)(x_column[at]), c->mean[f],
-                                         exponent, prescale);
+                const double g = ldexp(FASTLN_NAME(to_double)(dy_column[at]), -j);
+                sum_dy_scaled += g;
+                sum_dy_d_scaled += g * fastln_bn_scaled_deviation(
+                                           FASTLN_NAME(to_double)(x_column[at]), c->mean[f],
+                                           exponent, prescale);
             }
-        const double dgamma = rstd_scaled * (sum_dy_d_scaled - center_scaled * c->sum_dy[f]);
+        /* dgamma * 2^-j; without scale_dy from the slot-order sum of dy, as before */
+        const double dgamma_scaled = rstd_scaled * (
+            sum_dy_d_scaled - center_scaled * (scale_dy ? sum_dy_scaled : c->sum_dy[f]));
         const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
-        const double coef_scaled = rstd_scaled * dgamma / count;
-        c->dgamma[f] = dgamma;
-        if (prescale == 0 && fastln_bn_in_range(k_scaled, exponent)
+        const double coef_scaled = rstd_scaled * dgamma_scaled / count;
+        c->dgamma[f] = ldexp(dgamma_scaled, j);
+        if (scale_dy) {
+            c->sum_dy_d[f] = NAN; /* tells bn_finish_rescaled_backward (not used after) */
+            /* dbeta: a partial sum of [1e308, 1e308, -1e308] overflowed, the sum does not */
+            if (!isfinite(c->sum_dy[f])) c->sum_dy[f] = ldexp(sum_dy_scaled, j);
+        }
+        if (!scale_dy && prescale == 0 && fastln_bn_in_range(k_scaled, exponent)
             && fastln_bn_in_range(coef_scaled, exponent)) {
             c->correction[f] = ldexp(center_scaled, -exponent);
             c->k[f] = ldexp(k_scaled, exponent);
@@ -434,18 +502,39 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
         const double rstd_scaled = fastln_bn_backward_scaled_rstd(c->rstd[f], var_scaled, c->eps,
                                                                   exponent);
         const double k_scaled = c->gamma ? c->gamma[f] * rstd_scaled : rstd_scaled;
-        const double coef_scaled = rstd_scaled * c->dgamma[f] / count;
-        const double mean_dy = c->sum_dy[f] / count;
         FASTLN_T *dx_column = dx + f * c->n_inner;
         const FASTLN_T *x_column = x + f * c->n_inner;
+        /* dy * 2^-j for the features whose sums of dy overflowed (bn_rescale_backward): their
+         * sums taken again here, on dx's copy of dy */
+        const int scale_dy = isnan(c->sum_dy_d[f]);
+        const int j = scale_dy ? FASTLN_NAME(bn_dy_exponent)(dx, c, f, NULL) : 0;
+        double coef_scaled = rstd_scaled * c->dgamma[f] / count;
+        double mean_dy = c->sum_dy[f] / count;
+        if (scale_dy) {
+            double sum_dy_scaled = 0.0, sum_dy_d_scaled = 0.0;
+            for (int64_t k = 0; k < c->n_outer; k++)
+                for (int64_t l = 0; l < c->n_inner; l++) {
+                    const int64_t at = k * stride + l;
+                    const double g = ldexp(FASTLN_NAME(to_double)(dx_column[at]), -j);
+                    sum_dy_scaled += g;
+                    sum_dy_d_scaled += g * fastln_bn_scaled_deviation(
+                                               FASTLN_NAME(to_double)(x_column[at]), mean,
+                                               exponent, prescale);
+                }
+            coef_scaled = rstd_scaled * (rstd_scaled * (sum_dy_d_scaled - center_scaled
+                                                        * sum_dy_scaled)) / count;
+            mean_dy = sum_dy_scaled / count;
+        }
         for (int64_t k = 0; k < c->n_outer; k++)
             for (int64_t l = 0; l < c->n_inner; l++) {
                 const int64_t at = k * stride + l;
                 const double d = fastln_bn_scaled_deviation(FASTLN_NAME(to_double)(x_column[at]),
                                                             mean, exponent, prescale);
-                const double dy_centred = FASTLN_NAME(to_double)(dx_column[at]) - mean_dy;
+                const double dy_centred =
+                    ldexp(FASTLN_NAME(to_double)(dx_column[at]), -j) - mean_dy;
                 dx_column[at] = FASTLN_NAME(from_double)(
-                    ldexp(k_scaled * (dy_centred - (d - center_scaled) * coef_scaled), exponent));
+                    ldexp(k_scaled * (dy_centred - (d - center_scaled) * coef_scaled),
+                          exponent + j));
             }
     }
 }

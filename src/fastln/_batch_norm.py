@@ -17,6 +17,7 @@ from fastln._checks import (
     check_feature_param,
     check_out,
     check_out_keeps_x,
+    check_out_spares_running,
     compute_dtype,
     feature_layout,
     protect_from_output,
@@ -63,10 +64,7 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
         y = check_out(out, x.shape, dtype)
         if keep_cache:
             check_out_keeps_x(y, x, "batch_norm")
-        if training and running_mean is not None and (np.may_share_memory(y, running_mean)
-                                                      or np.may_share_memory(y, running_var)):
-            raise ValueError("out overlaps running_mean or running_var, which training mode "
-                             "updates")
+        check_out_spares_running(y, running_mean, running_var, training)
 
     mean = np.zeros(n_features, FLOAT64)
     var = np.zeros(n_features, FLOAT64)

@@ -271,6 +271,16 @@ def check_out_keeps_x(out, x, op):
                          f"fastln.{op} for an in-place forward")
 
 
+def check_out_spares_running(out, running_mean, running_var, training):
+    """Training mode updates running_mean and running_var in place: out must not overlap them
+    (fastln.batch_norm and fastln.reference.batch_norm alike)."""
+    if training and running_mean is not None and (
+            np.may_share_memory(plain_ndarray(out), plain_ndarray(running_mean))
+            or np.may_share_memory(plain_ndarray(out), plain_ndarray(running_var))):
+        raise ValueError("out overlaps running_mean or running_var, which training mode "
+                         "updates")
+
+
 def same_memory(a, b):
     """True when a and b start at the same address with the same C-contiguous layout."""
     a, b = plain_ndarray(a), plain_ndarray(b)

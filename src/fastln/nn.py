@@ -148,6 +148,20 @@ def _saved_file(path):
     return name + suffix
 
 
+def _declared_shape(archive, key):
+    """The shape the header of an .npz entry declares, read without its data (None when the
+    header is not one NumPy's public readers take; reading the entry then tells)."""
+    member = key + ".npy" if key + ".npy" in archive.zip.namelist() else key
+    readers = {(1, 0): np.lib.format.read_array_header_1_0,
+               (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        with archive.zip.open(member) as f:
+            reader = readers.get(np.lib.format.read_magic(f))
+            return None if reader is None else tuple(reader(f)[0])
+    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+
+
 class _Layer:
     """What the layers share: modes, parameters, gradients, state dicts, files.
 
@@ -337,8 +351,18 @@ class _Layer:
         if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy: one array, no names
             raise ValueError(f"{not_saved}: it holds a single array")
         with archive:
+            expected = {name: np.shape(getattr(self, name)) for name in self._state_names()}
             state = {}
             for key in archive.files:
+                if key not in expected:  # refused by name below: its data is never read
+                    state[key] = None
+                    continue
+                # The header declares the array's shape, and NumPy allocates that much before
+                # it reads the data: a forged (1e11,) is a MemoryError, or gigabytes.
+                declared = _declared_shape(archive, key)
+                if declared is not None and math.prod(declared) > math.prod(expected[key]):
+                    raise ValueError(f"state_dict[{key!r}] has shape {declared}, but "
+                                     f"{type(self).__name__}.{key} has shape {expected[key]}")
                 try:
                     state[key] = archive[key]
                 except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # object arrays, ...

@@ -39,6 +39,7 @@ from fastln._checks import (
     check_num_threads,
     check_out,
     check_out_keeps_x,
+    check_out_spares_running,
     check_param,
     check_residual,
     compute_dtype,
@@ -125,7 +126,13 @@ def _standardize(row, eps):
         # np.mean may round past the largest value (and past DBL_MAX once scaled back):
         # the mean lies within the row.
         mu = np.clip(np.mean(scaled), np.min(scaled), np.max(scaled))
+        # The rounded mean may be off by half an ulp of the values, as much as the spread of
+        # a row like [1 + 2**-52, 1, 1]: the mean of the deviations from it is that error,
+        # and taking it out of them centres the row (the kernels do the same).
         deviations = scaled - mu
+        correction = np.mean(deviations)
+        deviations = deviations - correction
+        mu = np.clip(mu + correction, np.min(scaled), np.max(scaled))
         var = np.mean(deviations ** 2)          # population variance (divide by H, not H - 1)
     root, exponent = _sqrt_of_sum([(var, -2 * k), (eps, 0)])   # eps inside the square root
     x_hat = _ldexp(deviations / root, -k - exponent)           # the standardized row
@@ -478,6 +485,7 @@ def _batch_norm(x, gamma, beta, running_mean, running_var, training, momentum, e
         check_out(out, x.shape, dtype)
         if keep_cache:
             check_out_keeps_x(out, x, "batch_norm")
+        check_out_spares_running(out, running_mean, running_var, training)
 
     X = _feature_columns(x, axis)               # (m, C): the m values of each feature
     gamma = np.ones(C) if gamma is None else gamma

@@ -33,14 +33,16 @@ later) and is only imported when asked for::
   inside a transform the tensors are PyTorch's wrappers, with no memory NumPy could read, so
   fastln.torch computes with PyTorch's own ``F.layer_norm`` / ``F.rms_norm`` there: the
   transforms work and give PyTorch's results (not fastln's bits).
-- Not supported: TorchScript (``torch.jit.script``) and double backward. ``torch.compile``
-  works, but does not trace into fastln (its calls run as ordinary Python between graphs).
+- Not supported: TorchScript (``torch.jit.script``) and double backward (differentiating a
+  gradient again raises a RuntimeError). ``torch.compile`` works, but does not trace into
+  fastln (its calls run as ordinary Python between graphs).
 - ``torch.nn.TransformerEncoderLayer`` in evaluation mode may take PyTorch's fused "fast path",
   which calls its own kernels and never the norm modules' ``forward``: :func:`patch` swaps the
   modules, but that path does not use them.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Optional, Union, overload
 
@@ -49,7 +51,6 @@ import numpy as np
 try:
     import torch
     import torch.nn.functional as F
-    from torch.autograd.function import once_differentiable
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError(
         "fastln.torch needs PyTorch, which fastln does not install: pip install torch"
@@ -189,6 +190,45 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """Stands between a fastln backward's gradients and the tensors they were computed from,
+    when that backward runs with ``create_graph=True``: differentiating them again raises.
+    (``once_differentiable``'s error node hangs off detached copies instead, so
+    ``torch.autograd.grad(..., inputs)`` skipped it and gave None, or zeros, for the second
+    derivative.)"""
+
+    @staticmethod
+    def forward(ctx: Any, n_gradients: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.clone() for t in tensors[:n_gradients])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(
+            "fastln.torch has no double backward: its layer_norm, rms_norm and group_norm cannot "
+            "be differentiated twice (create_graph=True, gradgradcheck, Hessians); use "
+            "torch.nn.functional.layer_norm / rms_norm / group_norm (or "
+            "fastln.torch.unpatch(model)) there")
+
+
+def _first_derivative_only(backward: Any) -> Any:
+    """once_differentiable, with the error node connected to grad_output and the saved
+    tensors, so that every later differentiation through the gradients reaches it."""
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        with torch.no_grad():
+            results = backward(ctx, grad_output)
+        sources = [t for t in (grad_output, *ctx.saved_tensors)
+                   if t is not None and t.requires_grad]
+        if not torch.is_grad_enabled() or not sources:
+            return results
+        gradients = [r for r in results if isinstance(r, torch.Tensor)]
+        if not gradients:
+            return results
+        connected = iter(_NoSecondDerivative.apply(len(gradients), *gradients, *sources))
+        return tuple(next(connected) if isinstance(r, torch.Tensor) else r for r in results)
+    return wrapper
+
+
 class _LayerNormFunction(torch.autograd.Function):
     """y = layer_norm(x) * weight + bias over the last `n_axes` axes, on fastln's kernels."""
 
@@ -206,7 +246,7 @@ class _LayerNormFunction(torch.autograd.Function):
         return _result(y, input)
 
     @staticmethod
-    @once_differentiable
+    @_first_derivative_only
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight, bias = ctx.saved_tensors
         cache = ctx.cache
@@ -242,7 +282,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return _result(y, input)
 
     @staticmethod
-    @once_differentiable
+    @_first_derivative_only
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight = ctx.saved_tensors
         cache = ctx.cache
@@ -292,7 +332,7 @@ class _GroupNormFunction(torch.autograd.Function):
         return result if last is None else result.movedim(-1, 1)
 
     @staticmethod
-    @once_differentiable
+    @_first_derivative_only
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight, bias = ctx.saved_tensors
         cache = ctx.cache

@@ -191,6 +191,15 @@ def _plot_path(text):
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(
             "plotting needs matplotlib: pip install 'fastln[bench]' (or matplotlib)")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from fastln.bench.report import plot_format
+
+    image_format = plot_format(text)
+    if image_format not in FigureCanvasBase.get_supported_filetypes():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: matplotlib cannot write {image_format!r} images (use .png, .svg or "
+            ".pdf)")
     return writable_path(text)
 
 
@@ -378,10 +387,17 @@ def run(args):
         sys.stdout.write(output.format_table(result))
         writers = {"json": output.write_json, "markdown": output.write_markdown,
                    "plot": output.write_plot}
+    written, status = {}, 0
     for kind, path in files.items():
-        writers[kind](result, path)
-    if files:
+        try:
+            writers[kind](result, path)
+            written[kind] = path
+        except OSError as exc:  # a full disk, /dev/full: the table above is all there is
+            print(f"fastln bench: error: argument --{kind}: cannot write {path!r}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            status = 2
+    if written:
         print("\nwrote " + ", ".join(f"{kind} {os.path.abspath(path)}"
-                                     for kind, path in files.items()))
-    return 0
+                                     for kind, path in written.items()))
+    return status
 

@@ -4,7 +4,9 @@ All of them are made from the report dict that fastln.bench.runner returns, so t
 reader sees and the JSON a script compares always hold the same numbers. Only the plot needs an
 optional library (matplotlib).
 """
+import io
 import json
+import os
 
 COLUMNS = ("op", "shape", "dtype", "threads", "implementation", "time", "IQR", "GB/s",
            "% of copy", "fastln speed-up", "output", "flag")
@@ -361,4 +363,14 @@ def write_plot(report, path):
     figure.suptitle(f"fastln bench on {described['cpu_model']} "
                     f"({described['usable_cpus']} usable CPUs)\nspeed-up against each peer "
                     f"(peer time / fastln time, 1x = parity) and bandwidth, by shape")
-    figure.savefig(path, dpi=100)
+    # Rendered in memory, then written by Python: matplotlib's PNG writer does not report a
+    # failed write (a full disk, /dev/full), and it appends ".png" to a name without a suffix.
+    image = io.BytesIO()
+    figure.savefig(image, dpi=100, format=plot_format(path))
+    with open(path, "wb") as f:
+        f.write(image.getvalue())
+
+
+def plot_format(path):
+    """The image format of a plot file, from its suffix: png when it has none."""
+    return os.path.splitext(os.fspath(path))[1][1:].lower() or "png"
