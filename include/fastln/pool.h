@@ -196,10 +196,13 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
     }
     pthread_mutex_unlock(&fastln_pool.lock);
     fastln_pool_work(generation);
-    /* Every part is claimed: wait for those workers still run. */
-    for (int polls = 0; atomic_load_explicit(&fastln_pool.done, memory_order_acquire) < n_parts;
+    /* Every part is claimed: wait for those workers still run, polling as long as an idle
+     * worker does before sleeping (a sleeper's wake-up can cost tens of microseconds). */
+    const long spin = fastln_pool_spin_ns();
+    const long until = spin > 0 ? fastln_now_ns() + spin : 0;
+    for (int polls = 1; atomic_load_explicit(&fastln_pool.done, memory_order_acquire) < n_parts;
          polls++) {
-        if (polls < 4096) {
+        if (spin > 0 && (polls % 64 != 0 || fastln_now_ns() < until)) {
             fastln_pause();
             continue;
         }

@@ -234,7 +234,6 @@ def set_default_num_threads(int num_threads):
 # cache.
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
-    PARTS_PER_THREAD = 4
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     GN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
 
@@ -255,10 +254,10 @@ cdef void _run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_el
         task(call, 0, n_tasks)
         return
     if FASTLN_HAVE_POOL:
-        # parts claimed by whichever thread is free (fastln/pool.h): a few per thread, so that
-        # a worker that wakes late still finds some
-        fastln_pool_run(task, call, n_tasks, min(PARTS_PER_THREAD * <int64_t>num_threads,
-                                                 n_tasks), num_threads)
+        # one contiguous part per thread, as a static loop would split them, but claimed by
+        # whichever thread is free (fastln/pool.h): a worker that wakes late finds its part
+        # done by the caller. (Four parts per thread measured no better: docs/performance.md.)
+        fastln_pool_run(task, call, n_tasks, min(<int64_t>num_threads, n_tasks), num_threads)
         return
     n_parts = min(<int64_t>num_threads, n_tasks)
     for part in prange(n_parts, schedule='static', num_threads=n_parts):
