@@ -236,8 +236,11 @@ def add_arguments(parser):
                              "rms_backward (RMSNorm); add_layer_norm, add_rms_norm (residual "
                              "add + norm, forward; returns y and the sum); batch_norm_train "
                              "(forward in training mode, running statistics updated), "
-                             "batch_norm_backward (training mode). Batch norm reads a shape as "
-                             "(N, C) or (N, C, H, W, ...): features on axis 1, as in PyTorch")
+                             "batch_norm_backward (training mode); group_norm, group_norm_last "
+                             "(channels last), group_norm_backward, instance_norm. Batch norm "
+                             "reads a shape as (N, C) or (N, C, H, W, ...): features on axis 1, "
+                             "as in PyTorch; group and instance norm as (N, C, H, W, ...) "
+                             "(group_norm_last: (N, H, W, ..., C)) with gcd(32, C) groups")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="comma-separated shapes like 1x768,4096x4096 (default: "
                              + ",".join("x".join(map(str, s)) for s in STANDARD_SHAPES) + ")")
