@@ -29,6 +29,7 @@
 #if defined(_OPENMP) && defined(__unix__)
 #define FASTLN_HAVE_POOL 1
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,6 +167,7 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
         return;
     }
     if (n_parts > FASTLN_POOL_MAX_PARTS) n_parts = FASTLN_POOL_MAX_PARTS;
+    (void)fastln_pool_spin_ns(); /* read once here, before any worker can read it */
     const int helpers = n_threads - 1 < n_parts - 1 ? n_threads - 1 : (int)n_parts - 1;
     fastln_pool.task = task;
     fastln_pool.call = call;
@@ -183,16 +185,24 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
      * few (a worker that cannot be started is no loss: the caller takes its parts). */
     int to_wake = fastln_pool.n_sleeping < helpers ? fastln_pool.n_sleeping : helpers;
     for (int i = 0; i < to_wake; i++) pthread_cond_signal(&fastln_pool.wake);
-    while (fastln_pool.n_workers < helpers) {
-        pthread_t thread;
-        pthread_attr_t attributes;
-        pthread_attr_init(&attributes);
-        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&thread, &attributes, fastln_pool_worker,
-                                          (void *)(uintptr_t)generation);
-        pthread_attr_destroy(&attributes);
-        if (failed) break;
-        fastln_pool.n_workers++;
+    if (fastln_pool.n_workers < helpers) {
+        /* Workers block every signal (they inherit the mask), so that signals such as SIGINT
+         * reach the threads that run Python, as they would without fastln. */
+        sigset_t all, previous;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &previous);
+        while (fastln_pool.n_workers < helpers) {
+            pthread_t thread;
+            pthread_attr_t attributes;
+            pthread_attr_init(&attributes);
+            pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+            const int failed = pthread_create(&thread, &attributes, fastln_pool_worker,
+                                              (void *)(uintptr_t)generation);
+            pthread_attr_destroy(&attributes);
+            if (failed) break;
+            fastln_pool.n_workers++;
+        }
+        pthread_sigmask(SIG_SETMASK, &previous, NULL);
     }
     pthread_mutex_unlock(&fastln_pool.lock);
     fastln_pool_work(generation);
