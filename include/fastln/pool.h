@@ -56,6 +56,7 @@ typedef struct {
     pthread_mutex_t busy;    /* held by the thread whose job runs */
     int n_workers, n_sleeping, caller_sleeping;
     long spin_ns;
+    long last_end_ns; /* when the previous job ended */
     /* the job, valid while one of its parts is claimed and not done */
     fastln_task task;
     const void *call;
@@ -68,7 +69,7 @@ typedef struct {
 
 static fastln_pool_state fastln_pool = {
     PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-    PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, -1, NULL, NULL, 0, 0, 0, 0, 0};
+    PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, -1, 0, NULL, NULL, 0, 0, 0, 0, 0};
 
 static inline uint64_t fastln_claim_word(uint32_t generation, uint64_t n_parts, uint64_t next)
 {
@@ -157,10 +158,19 @@ static void *fastln_pool_worker(void *start)
     return NULL;
 }
 
-/* Tasks [0, n_tasks) of `call` in n_parts parts (2 .. FASTLN_POOL_MAX_PARTS), with up to
- * n_threads - 1 workers helping the calling thread. */
+/* A job below FASTLN_POOL_WAKE_ELEMENTS elements wakes sleeping workers only when it follows
+ * the previous threaded job within FASTLN_POOL_RECENT_NS: on a virtual machine a wake-up (a
+ * futex call and the other vCPU's return from idle) costs tens of microseconds and can put the
+ * woken thread on the caller's own vCPU for a while, which made an isolated small call slower
+ * than a serial one (docs/performance.md); in a run of calls the woken workers then stay awake
+ * (polling) for the next ones. Workers still polling join any job. */
+#define FASTLN_POOL_WAKE_ELEMENTS (1 << 20)
+#define FASTLN_POOL_RECENT_NS 1000000L
+
+/* Tasks [0, n_tasks) of `call` (n_elements in all) in n_parts parts (2 ..
+ * FASTLN_POOL_MAX_PARTS), with up to n_threads - 1 workers helping the calling thread. */
 static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_parts,
-                            int n_threads)
+                            int64_t n_elements, int n_threads)
 {
     if (pthread_mutex_trylock(&fastln_pool.busy) != 0) { /* another thread's job runs */
         task(call, 0, n_tasks);
@@ -181,9 +191,13 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
                           memory_order_release);
     pthread_mutex_lock(&fastln_pool.lock);
     atomic_store_explicit(&fastln_pool.generation, generation, memory_order_release);
-    /* Wake as many sleepers as this job wants helpers, start more workers if there are too
-     * few (a worker that cannot be started is no loss: the caller takes its parts). */
+    /* Wake as many sleepers as this job wants helpers (large jobs only), start more workers
+     * if there are too few (a worker that cannot be started is no loss: the caller takes its
+     * parts). */
     int to_wake = fastln_pool.n_sleeping < helpers ? fastln_pool.n_sleeping : helpers;
+    if (n_elements < FASTLN_POOL_WAKE_ELEMENTS
+        && fastln_now_ns() - fastln_pool.last_end_ns > FASTLN_POOL_RECENT_NS)
+        to_wake = 0;
     for (int i = 0; i < to_wake; i++) pthread_cond_signal(&fastln_pool.wake);
     if (fastln_pool.n_workers < helpers) {
         /* Workers block every signal (they inherit the mask), so that signals such as SIGINT
@@ -223,15 +237,17 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
         fastln_pool.caller_sleeping = 0;
         pthread_mutex_unlock(&fastln_pool.lock);
     }
+    fastln_pool.last_end_ns = fastln_now_ns();
     pthread_mutex_unlock(&fastln_pool.busy);
 }
 
 #else
 #define FASTLN_HAVE_POOL 0
 static inline void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
-                                   int64_t n_parts, int n_threads)
+                                   int64_t n_parts, int64_t n_elements, int n_threads)
 {
     (void)n_parts;
+    (void)n_elements;
     (void)n_threads;
     task(call, 0, n_tasks);
 }

@@ -153,7 +153,7 @@ cdef extern from "fastln/kernels.h" nogil:
 cdef extern from "fastln/pool.h" nogil:
     enum: FASTLN_HAVE_POOL
     void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_parts,
-                         int n_threads)
+                         int64_t n_elements, int n_threads)
 
 FLOAT16 = FASTLN_FLOAT16
 BFLOAT16 = FASTLN_BFLOAT16
@@ -257,7 +257,8 @@ cdef void _run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_el
         # one contiguous part per thread, as a static loop would split them, but claimed by
         # whichever thread is free (fastln/pool.h): a worker that wakes late finds its part
         # done by the caller. (Four parts per thread measured no better: docs/performance.md.)
-        fastln_pool_run(task, call, n_tasks, min(<int64_t>num_threads, n_tasks), num_threads)
+        fastln_pool_run(task, call, n_tasks, min(<int64_t>num_threads, n_tasks), n_elements,
+                        num_threads)
         return
     n_parts = min(<int64_t>num_threads, n_tasks)
     for part in prange(n_parts, schedule='static', num_threads=n_parts):
