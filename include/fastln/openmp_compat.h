@@ -11,9 +11,10 @@ static inline int fastln_openmp_enabled(void) { return 0; }
 static inline int fastln_openmp_num_procs(void) { return 1; }
 #endif
 
-/* GNU OpenMP's thread pool does not survive fork(): a parallel region in a forked child of a
- * process that already used it hangs (the pytorch issue 19163). Like PyTorch, fastln runs every
- * call of a forked child on the calling thread; spawned children are not affected. The flag is
+/* Thread pools do not survive fork(): GNU OpenMP's hangs in a forked child of a process that
+ * already used it (the pytorch issue 19163), and fastln's own workers (fastln/pool.h) do not
+ * exist in the child. Like PyTorch, fastln runs every call of a forked child on the calling
+ * thread; spawned children are not affected. The flag is
  * global state in fastln's C code with the thread cap below, set once by
  * fastln_watch_for_fork() at import. */
 #if defined(_OPENMP) && defined(__unix__)

@@ -228,8 +228,8 @@ def set_default_num_threads(int num_threads):
 # The driver: every phase of every operation runs through _run
 # ---------------------------------------------------------------------------------------------
 
-# Below MIN_ELEMENTS_FOR_THREADS elements a call runs on the calling thread: waking the OpenMP
-# team costs more than the work (see docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
+# Below MIN_ELEMENTS_FOR_THREADS elements a call runs on the calling thread: handing parts to a
+# worker costs more than the work (see docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
 # and more are written with non-temporal stores: below, the output would still have been in
 # cache.
 cdef enum:
