@@ -171,6 +171,16 @@ FASTLN_INLINE double fastln_ln_deviation(double x, const fastln_ln_stats *stats)
            - ldexp(stats->mean_shifted, stats->prescale);
 }
 
+/* Whether rescaled statistics (ln_rescaled_statistics) need the rare paths' x_hat: the vector
+ * passes cannot take a non-constant row (group) whose x_hat needs the scaled deviations - a
+ * deviation beyond double, an rstd beyond double, or a mean whose rounding the scaled deviations
+ * show above rounding noise (subnormal spreads). */
+FASTLN_INLINE int fastln_ln_needs_rare(const fastln_ln_stats *stats)
+{
+    return stats->var > 0.0
+           && (stats->prescale != 0 || isinf(stats->rstd) || fabs(stats->center) > 0x1p-26);
+}
+
 /* x_hat of the rare paths: the deviation brought to about 1, less the deviations' own mean. */
 FASTLN_INLINE double fastln_ln_rare_x_hat(double x, const fastln_ln_stats *stats)
 {

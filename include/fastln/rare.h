@@ -545,11 +545,9 @@ static void FASTLN_NAME(bn_finish_rescaled_backward)(FASTLN_T *dx, const FASTLN_
 
 /* A group's statistics taken the careful way, in the rare paths' terms (fastln_ln_stats, as
  * ln_statistics gives them for a row): its mean from values scaled by a power of two that keeps
- * the sum within double's range; then its deviations from that mean, computed under 2^prescale
- * (values of both signs near DBL_MAX) and brought to about 1, for the variance (ldexp is exact;
- * ln_rescaled_statistics does the same for a row). A group holding a NaN or an Inf gets NaN
- * statistics (its values stay NaN). For the channels-last groups the sums cannot take, and the
- * backward's groups taken again from x. */
+ * the sum within double's range, then ln_rescaled_statistics around that mean over the group's
+ * runs. A group holding a NaN or an Inf gets NaN statistics (its values stay NaN). For the
+ * channels-last groups the sums cannot take, and the backward's groups taken again from x. */
 static void FASTLN_NAME(gn_view_statistics)(const FASTLN_T *x, const fastln_gn_view *view,
                                             double eps, fastln_ln_stats *stats)
 {
@@ -574,47 +572,10 @@ static void FASTLN_NAME(gn_view_statistics)(const FASTLN_T *x, const fastln_gn_v
             sum += ldexp(FASTLN_NAME(to_double)(x[r * view->stride + j]), -top - count_bits);
     stats->shift = stats->mean = ldexp(sum / n, top + count_bits);
     stats->mean_shifted = 0.0;
-    stats->prescale = largest >= 0x1p1022 ? -2 : 0; /* as ln_prescale */
-    double spread = 0.0;
-    for (int64_t r = 0; r < view->n_rows; r++)
-        for (int64_t j = 0; j < view->width; j++)
-            spread = fmax(spread, fabs(fastln_ln_deviation(
-                                      FASTLN_NAME(to_double)(x[r * view->stride + j]), stats)));
-    stats->var = stats->center = 0.0;
-    stats->rstd = stats->rstd_scaled = 1.0 / sqrt(eps);
-    if (spread == 0.0) { /* a constant group */
-        stats->prescale = 0;
-        return;
-    }
-    int e;
-    frexp(spread, &e);
-    double sum_d = 0.0, sumsq_d = 0.0;
-    for (int64_t r = 0; r < view->n_rows; r++)
-        for (int64_t j = 0; j < view->width; j++) {
-            const double d = ldexp(
-                fastln_ln_deviation(FASTLN_NAME(to_double)(x[r * view->stride + j]), stats), -e);
-            sum_d += d;
-            sumsq_d += d * d;
-        }
-    const double center = sum_d / n;
-    double var = sumsq_d / n - center * center;
-    if (var < 0.0) var = 0.0;
-    stats->var = var;
-    /* 1 / sqrt(var * 4^scale + eps) = 2^-scale / sqrt(var + eps * 4^-scale); where
-     * eps * 4^-scale passes DBL_MAX it dwarfs var (< 1) and rstd is 1 / sqrt(eps). */
-    const int scale = e - stats->prescale;
-    const double eps_scaled = ldexp(eps, -2 * scale);
-    if (eps_scaled > DBL_MAX) {
-        stats->center = ldexp(center, scale); /* in the units of exponent 0 */
-    } else {
-        stats->center = center;
-        stats->exponent = -scale;
-        stats->rstd_scaled = 1.0 / sqrt(var + eps_scaled);
-        stats->rstd = ldexp(stats->rstd_scaled, stats->exponent); /* Inf when beyond double */
-    }
-    /* As for a row: the plain passes take a group whose x - mean, rstd and mean are in range. */
-    stats->rare = var > 0.0 && (stats->prescale != 0 || isinf(stats->rstd)
-                                || fabs(stats->center) > 0x1p-26);
+    stats->prescale = FASTLN_NAME(ln_prescale)(x, view->n_rows, view->width, view->stride);
+    FASTLN_NAME(ln_rescaled_statistics)(x, view->n_rows, view->width, view->stride, eps, stats);
+    stats->rstd = ldexp(stats->rstd_scaled, stats->exponent); /* Inf when beyond double */
+    stats->rare = fastln_ln_needs_rare(stats);
 }
 
 /* x_hat of one value from the careful statistics (fastln_ln_rare_x_hat): 0 for a constant

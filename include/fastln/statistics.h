@@ -71,11 +71,15 @@ static int FASTLN_NAME(ln_wide_mean)(const FASTLN_T *x, int64_t n_cols, double *
 
 /* The power of two the rare paths compute a row's deviations under: 2^-2 for a row holding a
  * value of magnitude 2^1022 or more, whose x - mean can pass DBL_MAX (values of both signs near
- * it), 2^0 otherwise (scaling a subnormal would lose its digits). */
-static int FASTLN_NAME(ln_prescale)(const FASTLN_T *x, int64_t n_cols)
+ * it), 2^0 otherwise (scaling a subnormal would lose its digits). The values are n_runs runs of
+ * width values, stride apart (a row: one run; a channels-last group: its channels at every
+ * position), as for ln_rescaled_statistics. */
+static int FASTLN_NAME(ln_prescale)(const FASTLN_T *x, int64_t n_runs, int64_t width,
+                                    int64_t stride)
 {
-    for (int64_t j = 0; j < n_cols; j++)
-        if (fabs(FASTLN_NAME(to_double)(x[j])) >= 0x1p1022) return -2;
+    for (int64_t r = 0; r < n_runs; r++)
+        for (int64_t j = 0; j < width; j++)
+            if (fabs(FASTLN_NAME(to_double)(x[r * stride + j])) >= 0x1p1022) return -2;
     return 0;
 }
 
@@ -87,12 +91,15 @@ static int FASTLN_NAME(ln_prescale)(const FASTLN_T *x, int64_t n_cols)
  * no smaller than the spread itself; NaN where the deviations are beyond double), ->exponent
  * (rstd = rstd_scaled * 2^exponent may be beyond double: eps = 0 and a spread below ~1e-308)
  * and ->rstd_scaled. Rare: plain loops in a fixed order. */
-static void FASTLN_NAME(ln_rescaled_statistics)(const FASTLN_T *x, int64_t n_cols, double eps,
+static void FASTLN_NAME(ln_rescaled_statistics)(const FASTLN_T *x, int64_t n_runs,
+                                                int64_t width, int64_t stride, double eps,
                                                 fastln_ln_stats *stats)
 {
     double largest = 0.0;
-    for (int64_t j = 0; j < n_cols; j++)
-        largest = fmax(largest, fabs(fastln_ln_deviation(FASTLN_NAME(to_double)(x[j]), stats)));
+    for (int64_t r = 0; r < n_runs; r++)
+        for (int64_t j = 0; j < width; j++)
+            largest = fmax(largest, fabs(fastln_ln_deviation(
+                                        FASTLN_NAME(to_double)(x[r * stride + j]), stats)));
     stats->var = 0.0;
     stats->exponent = stats->prescale;
     stats->center = isinf(largest) ? NAN : 0.0;
@@ -104,13 +111,16 @@ static void FASTLN_NAME(ln_rescaled_statistics)(const FASTLN_T *x, int64_t n_col
     int e;
     frexp(largest, &e);
     double sum = 0.0, sumsq = 0.0;
-    for (int64_t j = 0; j < n_cols; j++) {
-        const double d = ldexp(fastln_ln_deviation(FASTLN_NAME(to_double)(x[j]), stats), -e);
-        sum += d;
-        sumsq += d * d;
-    }
-    const double center = sum / (double)n_cols;
-    double var = sumsq / (double)n_cols - center * center;
+    for (int64_t r = 0; r < n_runs; r++)
+        for (int64_t j = 0; j < width; j++) {
+            const double d = ldexp(
+                fastln_ln_deviation(FASTLN_NAME(to_double)(x[r * stride + j]), stats), -e);
+            sum += d;
+            sumsq += d * d;
+        }
+    const double n = (double)(n_runs * width);
+    const double center = sum / n;
+    double var = sumsq / n - center * center;
     if (var < 0.0) var = 0.0;
     /* The true deviations are the scaled ones times 2^scale, so
      * 1 / sqrt(var * 4^scale + eps) = 2^-scale / sqrt(var + eps * 4^-scale). Where
@@ -175,19 +185,14 @@ FASTLN_INLINE void FASTLN_NAME(ln_statistics)(const FASTLN_T *x, int64_t n_cols,
         /* Squares that overflow (|x| beyond ~1e154) or underflow (spreads below ~1e-154, with
          * eps too small to matter) in double: take the statistics again on rescaled values.
          * NaN and Inf rows never come here (their mean_shifted is not finite). */
-        stats->prescale = FASTLN_NAME(ln_prescale)(x, n_cols);
-        FASTLN_NAME(ln_rescaled_statistics)(x, n_cols, eps, stats);
+        stats->prescale = FASTLN_NAME(ln_prescale)(x, 1, n_cols, n_cols);
+        FASTLN_NAME(ln_rescaled_statistics)(x, 1, n_cols, n_cols, eps, stats);
         /* The mean of a row centred on its mean gets the deviations' mean, its last digits; a
          * row whose deviations are beyond double stays NaN. */
         if (wide) stats->mean = shift + ldexp(stats->center, stats->prescale - stats->exponent);
         if (isnan(stats->center)) stats->var = stats->rstd_scaled = NAN;
         stats->rstd = ldexp(stats->rstd_scaled, stats->exponent); /* Inf when beyond double */
-        /* The vector passes cannot take a non-constant row whose x_hat needs the scaled
-         * deviations: a deviation beyond double, an rstd beyond double, or a mean whose rounding
-         * the scaled deviations show above rounding noise (subnormal spreads). */
-        stats->rare = stats->var > 0.0
-                      && (stats->prescale != 0 || isinf(stats->rstd)
-                          || fabs(stats->center) > 0x1p-26);
+        stats->rare = fastln_ln_needs_rare(stats);
     }
 }
 
