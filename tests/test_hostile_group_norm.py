@@ -22,9 +22,8 @@ import fastln
 import fastln.reference as ref
 from conftest import Snapshot, owner
 from test_hostile_inputs import (
-    EPS, HALF_DTYPES, HOSTILE, KERNEL_DTYPES, NUM_THREADS, OUTS, PARAMS, VALUE_KINDS, X_DTYPES,
-    Choices, Layout, layouts, make_out, make_param, overlapping_pair, pick, result_dtype,
-    tolerance, typed_values, with_layout)
+    HALF_DTYPES, HOSTILE, KERNEL_DTYPES, Choices, Layout, common_arguments, layouts, make_out,
+    make_param, overlapping_pair, pick, result_dtype, tolerance, typed_values, with_layout)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given  # noqa: E402
@@ -64,15 +63,8 @@ def gn_cases(draw, func, one_in=None):
         shape=shape,  # channels first; moved last for channel_axis = -1
         channel_axis=pick(draw, CHANNEL_AXES, one_in),
         num_groups=draw(st.sampled_from(divisors(c))),
-        dtype=pick(draw, X_DTYPES, one_in),
-        x_kind=draw(st.sampled_from(VALUE_KINDS)),
-        x_layout=draw(layouts),
-        eps=pick(draw, EPS, one_in),
-        num_threads=pick(draw, NUM_THREADS, one_in),
-        gamma=pick(draw, PARAMS, one_in),
-        beta=pick(draw, PARAMS, one_in),
-        out=pick(draw, OUTS, one_in),
     )
+    case.update(common_arguments(draw, one_in))
     if one_in and func in FORWARDS and draw(st.integers(0, one_in - 1)) == 0:
         case["num_groups"] = draw(st.sampled_from(BAD_GROUPS))
     if func in BACKWARDS:  # a valid forward (its own hostility is drawn above), a hostile backward

@@ -674,11 +674,20 @@ def build_backward(case, scaling=None, drop_out=False, module=None):
 
 def common(draw, func, one_in):
     shape = draw(shapes())
-    return dict(
+    case = dict(
         func=func,
         seed=draw(st.integers(0, 2**32 - 1)),
         shape=shape,
         axis=axis_for(draw, len(shape), one_in),
+    )
+    case.update(common_arguments(draw, one_in))
+    return case
+
+
+def common_arguments(draw, one_in):
+    """x's dtype, values and layout, eps, num_threads, gamma, beta and out: what every forward
+    draws (also tests/test_hostile_group_norm.py)."""
+    return dict(
         dtype=pick(draw, X_DTYPES, one_in),
         x_kind=draw(st.sampled_from(VALUE_KINDS)),
         x_layout=draw(layouts),
