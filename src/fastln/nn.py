@@ -107,6 +107,15 @@ def _check_allocatable(n_elements, name, given):
         raise ValueError(f"{name} {describe(given)} is too large for an array")
 
 
+def _check_feature_count(value, name):
+    """num_features / num_channels: a positive int small enough for an array."""
+    count = check_int_argument(value, name)
+    if count < 1:
+        raise ValueError(f"{name} must be a positive int, got {describe(count)}")
+    _check_allocatable(count, name, count)
+    return count
+
+
 def _check_bool(value, name):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -534,10 +543,7 @@ class BatchNorm(_Layer):
                  track_running_stats=True, dtype=np.float32, *, unbiased_running_var=False,
                  num_threads=None):
         super().__init__(dtype, num_threads)
-        count = check_int_argument(num_features, "num_features")
-        if count < 1:
-            raise ValueError(f"num_features must be a positive int, got {describe(count)}")
-        _check_allocatable(count, "num_features", count)
+        count = _check_feature_count(num_features, "num_features")
         self.num_features = count
         self.eps = check_eps(eps)
         if momentum is not None:
@@ -663,10 +669,7 @@ class _ChannelGroupNorm(_Layer):
     def __init__(self, num_groups, num_channels, eps, affine, dtype, channel_axis,
                  num_threads):
         super().__init__(dtype, num_threads)
-        count = check_int_argument(num_channels, "num_channels")
-        if count < 1:
-            raise ValueError(f"num_channels must be a positive int, got {describe(count)}")
-        _check_allocatable(count, "num_channels", count)
+        count = _check_feature_count(num_channels, "num_channels")
         self.num_channels = count
         if num_groups is not None:
             groups = check_int_argument(num_groups, "num_groups")

@@ -190,6 +190,14 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _dy_array(grad_output: torch.Tensor, input: torch.Tensor, cache: Any) -> Any:
+    """grad_output as the NumPy array a fastln backward takes: in the input's dtype, then in the
+    cache's (bfloat16 is computed as float32 when ml_dtypes is missing)."""
+    dy = _to_numpy(grad_output if grad_output.dtype == input.dtype
+                   else grad_output.to(input.dtype))
+    return dy if dy.dtype == cache.dtype else dy.astype(cache.dtype)
+
+
 class _NoSecondDerivative(torch.autograd.Function):
     """Stands between a fastln backward's gradients and the tensors they were computed from,
     when that backward runs with ``create_graph=True``: differentiating them again raises.
@@ -250,10 +258,7 @@ class _LayerNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight, bias = ctx.saved_tensors
         cache = ctx.cache
-        dy = _to_numpy(grad_output if grad_output.dtype == input.dtype
-                       else grad_output.to(input.dtype))
-        if dy.dtype != cache.dtype:  # bfloat16 computed as float32 (no ml_dtypes)
-            dy = dy.astype(cache.dtype)
+        dy = _dy_array(grad_output, input, cache)
         dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, ctx.weight_array,
                                                        num_threads=ctx.num_threads)
         grad_input = None
@@ -286,10 +291,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight = ctx.saved_tensors
         cache = ctx.cache
-        dy = _to_numpy(grad_output if grad_output.dtype == input.dtype
-                       else grad_output.to(input.dtype))
-        if dy.dtype != cache.dtype:
-            dy = dy.astype(cache.dtype)
+        dy = _dy_array(grad_output, input, cache)
         dx, dgamma = fastln.rms_norm_backward(dy, cache, ctx.weight_array,
                                               num_threads=ctx.num_threads)
         grad_input = None
@@ -336,12 +338,8 @@ class _GroupNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         input, weight, bias = ctx.saved_tensors
         cache = ctx.cache
-        grad = grad_output if grad_output.dtype == input.dtype else grad_output.to(input.dtype)
-        if ctx.channels_last:
-            grad = grad.movedim(1, -1)
-        dy = _to_numpy(grad)
-        if dy.dtype != cache.dtype:
-            dy = dy.astype(cache.dtype)
+        dy = _dy_array(grad_output.movedim(1, -1) if ctx.channels_last else grad_output, input,
+                       cache)
         dx, dgamma, dbeta = fastln.group_norm_backward(dy, cache, ctx.weight_array,
                                                        num_threads=ctx.num_threads)
         grad_input = None
