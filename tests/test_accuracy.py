@@ -29,10 +29,10 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from conftest import DTYPES, assert_bitwise_equal, random_params
 
 import fastln
 import fastln.reference
-from conftest import DTYPES, assert_bitwise_equal, random_params
 
 U32 = 2.0**-24
 U64 = 2.0**-53
@@ -93,23 +93,28 @@ def exact_backward(dy, x_hat, rstd, gamma):
     return dx, dgamma, dbeta, dx_terms, np.abs(dy * x_hat).sum(0), np.abs(dy).sum(0)
 
 
-def dxhat_rounding_bound(dy, gamma, x_hat, rstd):
-    """What rounding dx_hat = dy * gamma to float32 before the row sums can cost dx, at most.
+FLOAT_RUN = 16  # the float32 backward's float runs (include/fastln/simd.h, FASTLN_FLOAT_RUN)
 
-    The float32 kernels form dx_hat in float32 (one rounding, u32 / 2 of it) and sum those
-    values: sum(dx_hat) and sum(dx_hat * x_hat) move by up to u32 / 2 of sum(|dx_hat|) and of
-    sum(|dx_hat * x_hat|), and dx_j = rstd / n * (n dx_hat_j - s1 - x_hat_j s2) with them. The
-    terms' bound above does not cover this where |s1| and |x_hat_j s2| happen to be small next
-    to the sums of magnitudes (up to 1.7x over it in 60 draws of 16 rows). Without gamma,
-    dx_hat = dy exactly and this is 0.
+
+def row_sums_rounding_bound(dy, gamma, x_hat, rstd):
+    """What the float32 backward's row sums can cost dx, at most.
+
+    The float32-compute kernels form dx_hat = dy * gamma, d = x - mean and dx_hat * d in
+    float32 and sum them in float runs: each slot adds FLOAT_RUN terms in float32 before the
+    partial joins its double total, so each sum is off by at most (FLOAT_RUN + 1) u32 of the sum
+    of its terms' magnitudes (a run's FLOAT_RUN - 1 additions, and the rounding of each term).
+    Those are sum(dx_hat), sum(dx_hat * x_hat) and sum(d) (the mean's correction, which moves
+    every x_hat by its error), and dx_j = rstd / n * (n dx_hat_j - s1 - x_hat_j s2) with them.
+    The same bound holds at every offset of the rows: it is in x_hat's units.
     """
-    if gamma is None:
-        return 0.0
     n = dy.shape[1]
-    dxhat = np.abs(dy.astype(np.float64) * gamma.astype(np.float64))
+    g = np.ones(n) if gamma is None else gamma.astype(np.float64)
+    dxhat = np.abs(dy.astype(np.float64) * g)
     x_hat = np.abs(x_hat)
-    return 0.5 * U32 * rstd[:, None] / n * (dxhat.sum(1, keepdims=True)
-                                            + x_hat * (dxhat * x_hat).sum(1, keepdims=True))
+    s2_terms = (dxhat * x_hat).sum(1, keepdims=True)
+    mean_x_hat = x_hat.mean(1, keepdims=True)
+    return (FLOAT_RUN + 1) * U32 * rstd[:, None] / n * (
+        dxhat.sum(1, keepdims=True) + (x_hat + mean_x_hat) * s2_terms)
 
 
 def ulp32(v):
@@ -209,8 +214,8 @@ def test_backward_with_large_offset(rng, dtype, offset, affine):
     float64: within 1e-11 of the size of the terms each result is a sum of.
     float32: an ulp of the result plus 8 u32 of the terms: the cache holds mean and rstd rounded
     to float32 (documented), which moves x_hat and rstd by u32 relative; together with a
-    float32 final rounding that is a few u32 of the terms. With gamma, plus what rounding
-    dy * gamma to float32 before the row sums can cost (dxhat_rounding_bound). Four draws of
+    float32 final rounding that is a few u32 of the terms. Plus what the float32 row sums can
+    cost (row_sums_rounding_bound; it covers rounding dy * gamma to float32 too). Four draws of
     different widths, 777 and 4096 among them.
     """
     for n_rows, n_cols in ((64, 777), (16, 4096), (64, 64), (64, 8)):
@@ -224,7 +229,7 @@ def test_backward_with_large_offset(rng, dtype, offset, affine):
             dy, x_hat, rstd, gamma)
         if dtype == np.float32:
             dx_bound = (ulp32(dx_s) + 8 * U32 * dx_terms
-                        + dxhat_rounding_bound(dy, gamma, x_hat, rstd))
+                        + row_sums_rounding_bound(dy, gamma, x_hat, rstd))
             assert worst(dx, dx_s, dx_bound) <= 1.0
             assert worst(dgamma, dgamma_s, ulp32(dgamma_s) + 8 * U32 * dgamma_terms) <= 1.0
             assert worst(dbeta, dbeta_s, ulp32(dbeta_s) + 8 * U32 * dbeta_terms) <= 1.0
@@ -261,7 +266,8 @@ def test_float32_huge_values(rng, offset, spread):
     # rstd ~ 1/spread may be close to float32's smallest normal number (1.2e-38), where the
     # cached rstd keeps fewer bits: allow for that with the absolute float32 subnormal step.
     tiny = np.finfo(np.float32).smallest_subnormal * 4
-    dx_bound = ulp32(dx_s) + 8 * U32 * dx_terms + dxhat_rounding_bound(dy, gamma, x_hat, rstd)
+    dx_bound = (ulp32(dx_s) + 8 * U32 * dx_terms
+                + row_sums_rounding_bound(dy, gamma, x_hat, rstd))
     assert worst(dx, dx_s, dx_bound + tiny) <= 1.0
     assert worst(dgamma, dgamma_s, ulp32(dgamma_s) + 8 * U32 * dgamma_terms) <= 1.0
     np.testing.assert_allclose(dbeta, dbeta_s, rtol=1e-6, atol=1e-5)

@@ -65,25 +65,49 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_add_block)(
     }
 }
 
-/* The backward's first pass over a row: sum(dx_hat), sum(dx_hat * d) and sum(d), d = x - mean,
- * in double. The row mean is re-derived from x in the same read, with the cached mean as the
+/* The last block's dy, x and gamma, padded with dy = 0, x = mean, gamma = 1: they add exactly
+ * zero to all three sums. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_pad)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                const FASTLN_P *gamma, double mean,
+                                                int64_t n_whole, int64_t n_cols,
+                                                FASTLN_P padded[3 * FASTLN_SLOTS])
+{
+    for (int k = 0; k < FASTLN_SLOTS; k++) {
+        const int inside = n_whole + k < n_cols;
+        padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
+        padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : (FASTLN_C)mean;
+        padded[2 * FASTLN_SLOTS + k] = inside && gamma ? gamma[n_whole + k] : 1;
+    }
+}
+
+/* A row's sums from its slots (the fixed tree of fastln/simd.h). */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_sums_from_slots)(
+    double mean, double rstd, int64_t n_cols, const double dxhat_slots[FASTLN_SLOTS],
+    const double dxhat_d_slots[FASTLN_SLOTS], const double d_slots[FASTLN_SLOTS],
+    fastln_ln_backward_sums *sums)
+{
+    sums->mean = mean;
+    sums->rstd = rstd;
+    sums->n_cols = n_cols;
+    sums->mean_correction = fastln_reduce_slots(d_slots) / (double)n_cols;
+    sums->total_dxhat = fastln_reduce_slots(dxhat_slots);
+    sums->total_dxhat_d = fastln_reduce_slots(dxhat_d_slots);
+    sums->total_dxhat_xhat =
+        rstd * (sums->total_dxhat_d - sums->mean_correction * sums->total_dxhat);
+}
+
+/* The backward's first pass over a row in double: sum(dx_hat), sum(dx_hat * d) and sum(d),
+ * d = x - mean. The row mean is re-derived from x in the same read, with the cached mean as the
  * shift: the cache may hold the mean rounded to float32, and x - mean with that rounded mean
- * would lose the digits that matter when |mean| >> std. The last block is padded with dy = 0,
- * x = mean, gamma = 1, which add exactly zero to all three sums. */
-FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass)(
+ * would lose the digits that matter when |mean| >> std. The float64 pass, and the float32
+ * pass's fallback (below). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double mean, double rstd,
     int64_t n_cols, fastln_ln_backward_sums *sums)
 {
     const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-    if (n_whole < n_cols)
-        for (int k = 0; k < FASTLN_SLOTS; k++) {
-            const int inside = n_whole + k < n_cols;
-            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
-            padded[FASTLN_SLOTS + k] =
-                inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : (FASTLN_C)mean;
-            padded[2 * FASTLN_SLOTS + k] = inside && gamma ? gamma[n_whole + k] : 1;
-        }
+    if (n_whole < n_cols) FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
     double dxhat_slots[FASTLN_SLOTS], dxhat_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
         FASTLN_VD sum_dxhat[FASTLN_PASS_VECTORS] = {0}, sum_dxhat_d[FASTLN_PASS_VECTORS] = {0};
@@ -98,14 +122,133 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass)(
         memcpy(dxhat_d_slots + first, sum_dxhat_d, sizeof sum_dxhat_d);
         memcpy(d_slots + first, sum_d, sizeof sum_d);
     }
-    sums->mean = mean;
-    sums->rstd = rstd;
-    sums->n_cols = n_cols;
-    sums->mean_correction = fastln_reduce_slots(d_slots) / (double)n_cols;
-    sums->total_dxhat = fastln_reduce_slots(dxhat_slots);
-    sums->total_dxhat_d = fastln_reduce_slots(dxhat_d_slots);
-    sums->total_dxhat_xhat =
-        rstd * (sums->total_dxhat_d - sums->mean_correction * sums->total_dxhat);
+    FASTLN_NAME(ln_backward_sums_from_slots)(mean, rstd, n_cols, dxhat_slots, dxhat_d_slots,
+                                             d_slots, sums);
+}
+
+#if FASTLN_COMPUTE_F32
+/* ---- LayerNorm: the first pass in float ---------------------------------------------------
+ * The float32-compute types sum in float runs (FASTLN_FLOAT_RUN, fastln/simd.h): dx_hat, d and
+ * dx_hat * d are formed in float (one rounding each, relative to the value: d = x - mean has no
+ * cancellation, mean being the cache's and the sums re-deriving its correction), each slot adds
+ * a run's terms in float and the run's partial to its double total. The result differs from the
+ * double pass's by float roundings relative to the terms (measured bound: docs/performance.md),
+ * and it is the same for every offset of the row, thread count and instruction set. */
+
+/* Adds one vector of terms to this pass's float partials. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_add_floats)(FASTLN_VF dx_hat, FASTLN_VF x_v,
+                                                       float mean, FASTLN_VF *sum_dxhat,
+                                                       FASTLN_VF *sum_dxhat_d, FASTLN_VF *sum_d)
+{
+    const FASTLN_VF d = x_v - mean;
+    *sum_dxhat += dx_hat;
+    *sum_dxhat_d += dx_hat * d;
+    *sum_d += d;
+}
+
+/* Adds this pass's float partials to their slots' double totals (slot first + lane); the row's
+ * first run sets them (the same as adding to +0: a partial is never -0). */
+FASTLN_INLINE void FASTLN_NAME(fold_floats)(const FASTLN_VF partial[FASTLN_FLOAT_PASS_VECTORS],
+                                            double *totals, int first_run)
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+        double *slot = totals + j * FASTLN_VF_LANES;
+        FASTLN_VD low = FASTLN_ISA(widen_low)(partial[j]);
+        FASTLN_VD high = FASTLN_ISA(widen_high)(partial[j]);
+        if (!first_run) {
+            low += FASTLN_ISA(load_f64)(slot);
+            high += FASTLN_ISA(load_f64)(slot + FASTLN_VD_LANES);
+        }
+        FASTLN_ISA(store_f64)(slot, low);
+        FASTLN_ISA(store_f64)(slot + FASTLN_VD_LANES, high);
+    }
+}
+
+/* The float runs over a row's blocks (the last one padded: ln_backward_pad) into the slots'
+ * double totals. Inlined twice, with and without gamma, so that the loop
+ * has no test for it. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_float_slots)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *padded,
+    float mean, int64_t n_cols, double dxhat_slots[FASTLN_SLOTS],
+    double dxhat_d_slots[FASTLN_SLOTS], double d_slots[FASTLN_SLOTS])
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
+        for (int64_t run = 0; run < n_cols; run += FASTLN_FLOAT_RUN * FASTLN_SLOTS) {
+            FASTLN_VF sum_dxhat[FASTLN_FLOAT_PASS_VECTORS] = {0};
+            FASTLN_VF sum_dxhat_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
+            FASTLN_VF sum_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
+            const int64_t run_end = run + FASTLN_FLOAT_RUN * FASTLN_SLOTS;
+            const int64_t whole_end = run_end < n_whole ? run_end : n_whole;
+            for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const int64_t e = i + first + j * FASTLN_VF_LANES;
+                    FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy + e);
+                    if (gamma) dx_hat *= FASTLN_NAME(load_p)(gamma + e);
+                    FASTLN_NAME(ln_backward_add_floats)(dx_hat, FASTLN_NAME(load_c)(x + e), mean,
+                                                        &sum_dxhat[j], &sum_dxhat_d[j],
+                                                        &sum_d[j]);
+                }
+            }
+            if (n_whole < n_cols && n_whole < run_end) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const int64_t e = first + j * FASTLN_VF_LANES;
+                    const FASTLN_VF dx_hat = FASTLN_NAME(load_p)(padded + e)
+                                             * FASTLN_NAME(load_p)(padded + 2 * FASTLN_SLOTS + e);
+                    FASTLN_NAME(ln_backward_add_floats)(
+                        dx_hat, FASTLN_NAME(load_p)(padded + FASTLN_SLOTS + e), mean,
+                        &sum_dxhat[j], &sum_dxhat_d[j], &sum_d[j]);
+                }
+            }
+            FASTLN_NAME(fold_floats)(sum_dxhat, dxhat_slots + first, run == 0);
+            FASTLN_NAME(fold_floats)(sum_dxhat_d, dxhat_d_slots + first, run == 0);
+            FASTLN_NAME(fold_floats)(sum_d, d_slots + first, run == 0);
+        }
+}
+
+/* Whether a float pass's sums stand for the row: they are finite, and the sum of products
+ * (sum(dx_hat * d), sum(dx_hat * x_hat)) is not so small that products below float's normal
+ * range could matter (each is off by at most 2^-150 then; n of them stay below 2^-24 of a sum
+ * of n * n * FLT_MIN or more), dy = 0 aside. Other rows (Inf, NaN, extreme or tiny values) take
+ * the double pass, and from there the paths the float64 rows take. */
+FASTLN_INLINE int FASTLN_NAME(floats_hold)(const FASTLN_T *dy, int64_t n_cols, double products)
+{
+    if (!isfinite(products)) return 0;
+    const double n = (double)n_cols;
+    if (!(fabs(products) < n * n * FLT_MIN)) return 1;
+    for (int64_t j = 0; j < n_cols; j++)
+        if (FASTLN_NAME(to_compute)(dy[j]) != 0) return 0;
+    return 1;
+}
+#endif
+
+/* The backward's first pass over a row: sum(dx_hat), sum(dx_hat * d) and sum(d), d = x - mean
+ * (in float runs for the float32-compute types, when those hold; in double otherwise). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double mean, double rstd,
+    int64_t n_cols, fastln_ln_backward_sums *sums)
+{
+#if FASTLN_COMPUTE_F32
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
+    if (n_whole < n_cols) FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
+    double dxhat_slots[FASTLN_SLOTS], dxhat_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+    if (gamma)
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, gamma, padded, (float)mean, n_cols,
+                                             dxhat_slots, dxhat_d_slots, d_slots);
+    else
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, padded, (float)mean, n_cols,
+                                             dxhat_slots, dxhat_d_slots, d_slots);
+    FASTLN_NAME(ln_backward_sums_from_slots)(mean, rstd, n_cols, dxhat_slots, dxhat_d_slots,
+                                             d_slots, sums);
+    if (isfinite(sums->total_dxhat_xhat)
+        && FASTLN_NAME(floats_hold)(dy, n_cols, sums->total_dxhat_d))
+        return;
+#endif
+    FASTLN_NAME(ln_backward_first_pass_double)(dy, x, gamma, mean, rstd, n_cols, sums);
 }
 
 /* Whether sum(dx_hat * d) may hold products that underflowed (float64 only: float32 ones,
@@ -160,7 +303,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_dx_double)(
     FASTLN_VD dx[2])
 {
     const double n = (double)sums->n_cols;
-    FASTLN_VD dy_v[2], x_hat[2], scale[2];
+    FASTLN_VD dy_v[2], x_hat[2], scale[2] = {0};
     FASTLN_NAME(load_wide)(dy, &dy_v[0], &dy_v[1]);
     FASTLN_NAME(load_wide)(x, &x_hat[0], &x_hat[1]);
     if (gamma) FASTLN_NAME(load_wide_p)(gamma, &scale[0], &scale[1]);
@@ -358,14 +501,13 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
             dy[i], x[i], gamma ? gamma + i : NULL, &row, dgamma_acc + i, dbeta_acc + i));
 }
 
-/* The float write pass of n_rows consecutive rows together (see the double one). */
-FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
+/* The float write pass of n_rows consecutive rows together (see the double one), from their
+ * constants. */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
+    int64_t stride, int64_t width, const fastln_ln_backward_floats *rows, float *dgamma_acc,
     float *dbeta_acc)
 {
-    fastln_ln_backward_floats rows[FASTLN_BACKWARD_GROUP];
-    for (int64_t r = 0; r < n_rows; r++) rows[r] = FASTLN_NAME(ln_backward_to_floats)(&sums[r]);
     enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
     for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
@@ -400,6 +542,23 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
             dx[r * stride + i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
                 dy[r * stride + i], x[r * stride + i], gamma ? gamma + i : NULL, &rows[r],
                 dgamma_acc + i, dbeta_acc + i));
+}
+
+/* The same from the rows' sums; inlined with and without gamma, so that the loops have no test
+ * for it. */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
+    int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
+    float *dbeta_acc)
+{
+    fastln_ln_backward_floats rows[FASTLN_BACKWARD_GROUP];
+    for (int64_t r = 0; r < n_rows; r++) rows[r] = FASTLN_NAME(ln_backward_to_floats)(&sums[r]);
+    if (gamma)
+        FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, gamma, dx, n_rows, stride, width, rows,
+                                                   dgamma_acc, dbeta_acc);
+    else
+        FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, NULL, dx, n_rows, stride, width, rows,
+                                                   dgamma_acc, dbeta_acc);
 }
 #endif
 
@@ -523,6 +682,19 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
  *     dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat)),   dgamma += dy * x_hat
  * (LayerNorm's identity without the mean terms). dgamma accumulates in double for every type. */
 
+/* The last block's dy, x and gamma (1 without gamma), padded with zeros: they add exactly zero. */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_pad)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                 const FASTLN_P *gamma, int64_t n_whole,
+                                                 int64_t n_cols, FASTLN_P padded[3 * FASTLN_SLOTS])
+{
+    for (int k = 0; k < FASTLN_SLOTS; k++) {
+        const int inside = n_whole + k < n_cols;
+        padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
+        padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
+        padded[2 * FASTLN_SLOTS + k] = inside ? (gamma ? gamma[n_whole + k] : 1) : 0;
+    }
+}
+
 /* sum(dx_hat * x_hat) for one block's elements of this pass's slots, x_hat = x * x_scale in
  * double; for the float32-compute types dx_hat is formed in float (one rounding, relative to
  * itself) and widened. The padded block (dy NULL) holds zeros. */
@@ -561,20 +733,15 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_add_block)(
     }
 }
 
-/* mean(dx_hat * x_hat) of a row, in the slot order. */
-FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const FASTLN_T *x,
-                                                    const FASTLN_P *gamma, double x_scale,
-                                                    int64_t n_cols)
+/* mean(dx_hat * x_hat) of a row in double, in the slot order: the float64 pass, and the float32
+ * pass's fallback (below). */
+FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean_double)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                           const FASTLN_P *gamma, double x_scale,
+                                                           int64_t n_cols)
 {
     const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-    if (n_whole < n_cols)
-        for (int k = 0; k < FASTLN_SLOTS; k++) {
-            const int inside = n_whole + k < n_cols;
-            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
-            padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
-            padded[2 * FASTLN_SLOTS + k] = inside && gamma ? gamma[n_whole + k] : 0;
-        }
+    if (n_whole < n_cols) FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
     double slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
         FASTLN_VD sum[FASTLN_PASS_VECTORS] = {0};
@@ -585,6 +752,67 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const 
         memcpy(slots + first, sum, sizeof sum);
     }
     return fastln_reduce_slots(slots) / (double)n_cols;
+}
+
+#if FASTLN_COMPUTE_F32
+/* The float runs of sum(dx_hat * x_hat) into the slots' double totals (LayerNorm's first pass in
+ * float has the rule), x_hat = x * x_scale formed in float; inlined with and without gamma. */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_float_slots)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *padded,
+    float x_scale, int64_t n_cols, double slots[FASTLN_SLOTS])
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
+        for (int64_t run = 0; run < n_cols; run += FASTLN_FLOAT_RUN * FASTLN_SLOTS) {
+            FASTLN_VF sum[FASTLN_FLOAT_PASS_VECTORS] = {0};
+            const int64_t run_end = run + FASTLN_FLOAT_RUN * FASTLN_SLOTS;
+            const int64_t whole_end = run_end < n_whole ? run_end : n_whole;
+            for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const int64_t e = i + first + j * FASTLN_VF_LANES;
+                    FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy + e);
+                    if (gamma) dx_hat *= FASTLN_NAME(load_p)(gamma + e);
+                    sum[j] += dx_hat * (FASTLN_NAME(load_c)(x + e) * x_scale);
+                }
+            }
+            if (n_whole < n_cols && n_whole < run_end) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const int64_t e = first + j * FASTLN_VF_LANES;
+                    const FASTLN_VF dx_hat = FASTLN_NAME(load_p)(padded + e)
+                                             * FASTLN_NAME(load_p)(padded + 2 * FASTLN_SLOTS + e);
+                    sum[j] += dx_hat * (FASTLN_NAME(load_p)(padded + FASTLN_SLOTS + e) * x_scale);
+                }
+            }
+            FASTLN_NAME(fold_floats)(sum, slots + first, run == 0);
+        }
+}
+#endif
+
+/* mean(dx_hat * x_hat) of a row: in float runs for the float32-compute types whose x_scale fits
+ * a float, when those hold (floats_hold); in double otherwise. */
+FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                    const FASTLN_P *gamma, double x_scale,
+                                                    int64_t n_cols)
+{
+#if FASTLN_COMPUTE_F32
+    if (x_scale > 1e-30 && x_scale < 1e30) {
+        const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+        FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
+        if (n_whole < n_cols) FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
+        double slots[FASTLN_SLOTS];
+        if (gamma)
+            FASTLN_NAME(rms_backward_float_slots)(dy, x, gamma, padded, (float)x_scale, n_cols,
+                                                  slots);
+        else
+            FASTLN_NAME(rms_backward_float_slots)(dy, x, NULL, padded, (float)x_scale, n_cols,
+                                                  slots);
+        const double total = fastln_reduce_slots(slots);
+        if (FASTLN_NAME(floats_hold)(dy, n_cols, total)) return total / (double)n_cols;
+    }
+#endif
+    return FASTLN_NAME(rms_backward_mean_double)(dy, x, gamma, x_scale, n_cols);
 }
 
 /* Whether the float write pass takes the row: float32-compute rows whose rstd fits a float

@@ -147,13 +147,21 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
     const fastln_rows_call *call = opaque;
     const int64_t n = call->n_cols;
     const int64_t n_sums = call->dbeta ? 2 : 1;
+    enum { CHUNK = 256 };
+    double total[CHUNK];
     for (int64_t sum = 0; sum < n_sums; sum++) {
         FASTLN_P *out = sum == 0 ? call->dgamma : call->dbeta;
-        for (int64_t j = begin; j < end; j++) {
-            double total = call->partials[sum * n + j];
-            for (int64_t block = 1; block < call->n_blocks; block++)
-                total += call->partials[(block * n_sums + sum) * n + j];
-            out[j] = (FASTLN_P)total;
+        /* A chunk of columns at a time, each block's row of partials read in order (a column
+         * walk through the blocks would take a cache miss per block); each column still adds
+         * its blocks in block order. */
+        for (int64_t j0 = begin; j0 < end; j0 += CHUNK) {
+            const int64_t width = fastln_min(CHUNK, end - j0);
+            memcpy(total, call->partials + sum * n + j0, (size_t)width * sizeof(double));
+            for (int64_t block = 1; block < call->n_blocks; block++) {
+                const double *partial = call->partials + (block * n_sums + sum) * n + j0;
+                for (int64_t k = 0; k < width; k++) total[k] += partial[k];
+            }
+            for (int64_t k = 0; k < width; k++) out[j0 + k] = (FASTLN_P)total[k];
         }
     }
 }

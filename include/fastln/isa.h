@@ -34,6 +34,10 @@
  * those have. Each slot still adds its elements in row order. */
 #define FASTLN_PASS_VECTORS 4
 #define FASTLN_PASS_SLOTS (FASTLN_PASS_VECTORS * FASTLN_VD_LANES)
+/* The same for float accumulators (fastln/simd.h, FASTLN_FLOAT_RUN): all 32 slots in one pass
+ * with AVX-512 (two vectors) and AVX2 (four), two passes of 16 with SSE2. */
+#define FASTLN_FLOAT_PASS_SLOTS (4 * FASTLN_VF_LANES < FASTLN_SLOTS ? 4 * FASTLN_VF_LANES : FASTLN_SLOTS)
+#define FASTLN_FLOAT_PASS_VECTORS (FASTLN_FLOAT_PASS_SLOTS / FASTLN_VF_LANES)
 
 FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_f32)(const float *p)
 {
@@ -210,3 +214,5 @@ FASTLN_INLINE void FASTLN_ISA(stream_bytes)(void *p, const void *v, size_t n_byt
 #undef FASTLN_VD_LANES
 #undef FASTLN_PASS_VECTORS
 #undef FASTLN_PASS_SLOTS
+#undef FASTLN_FLOAT_PASS_SLOTS
+#undef FASTLN_FLOAT_PASS_VECTORS

@@ -233,7 +233,7 @@ typedef struct {
  * rms_norm_backward_rows); the float32-compute types' float dgamma/dbeta accumulators are
  * folded into the double partial sums every FASTLN_ROWS_PER_FLUSH rows of a block (a multiple
  * of the group). */
-#define FASTLN_BACKWARD_GROUP 8
+#define FASTLN_BACKWARD_GROUP 4
 #define FASTLN_ROWS_PER_FLUSH 16
 
 /* partials += accumulators, and the accumulators cleared. */

@@ -57,6 +57,13 @@ typedef int64_t fastln_i64x8 __attribute__((vector_size(64)));
  * starts at +0 and can never hold -0, so adding +0 changes nothing). */
 #define FASTLN_SLOTS 32
 
+/* The float32 backward's row sums: each slot adds FASTLN_FLOAT_RUN of its elements (one from each
+ * of FASTLN_FLOAT_RUN consecutive blocks of FASTLN_SLOTS) in float, from +0, then adds that float
+ * partial to its double total. A partial holds at most FASTLN_FLOAT_RUN terms, so its rounding
+ * errors stay within about FASTLN_FLOAT_RUN float ulps of the terms it holds, whatever the row's
+ * length; the folds cost one widening per slot per run. */
+#define FASTLN_FLOAT_RUN 16
+
 /* The fixed tree over the slots: four groups of eight added pairwise, then the eight. */
 FASTLN_INLINE double fastln_reduce_slots(const double slots[FASTLN_SLOTS])
 {
