@@ -93,7 +93,7 @@ def exact_backward(dy, x_hat, rstd, gamma):
     return dx, dgamma, dbeta, dx_terms, np.abs(dy * x_hat).sum(0), np.abs(dy).sum(0)
 
 
-FLOAT_RUN = 16  # the float32 backward's float runs (include/fastln/simd.h, FASTLN_FLOAT_RUN)
+FLOAT_RUN = 32  # the float32 backward's float runs (include/fastln/simd.h, FASTLN_FLOAT_RUN)
 
 
 def row_sums_rounding_bound(dy, gamma, x_hat, rstd):

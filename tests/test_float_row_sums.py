@@ -1,7 +1,7 @@
 """The float32 backward's row sums in float runs (include/fastln/backward.h).
 
 LayerNorm's and RMSNorm's float32-compute backwards form their row sums in float: each of 32
-slots adds 16 of its terms in float32, then that partial joins the slot's double total. The
+slots adds 32 of its terms in float32, then that partial joins the slot's double total. The
 accepted rule for them: the error does not depend on the row's offset; dx is within 1e-6 of the
 row's largest gradient from a float64 computation on the same float32 inputs, dgamma and dbeta
 within 1e-6 of their largest value; and the results stay bitwise deterministic. Rows whose

@@ -62,7 +62,7 @@ typedef int64_t fastln_i64x8 __attribute__((vector_size(64)));
  * partial to its double total. A partial holds at most FASTLN_FLOAT_RUN terms, so its rounding
  * errors stay within about FASTLN_FLOAT_RUN float ulps of the terms it holds, whatever the row's
  * length; the folds cost one widening per slot per run. */
-#define FASTLN_FLOAT_RUN 16
+#define FASTLN_FLOAT_RUN 32
 
 /* The fixed tree over the slots: four groups of eight added pairwise, then the eight. */
 FASTLN_INLINE double fastln_reduce_slots(const double slots[FASTLN_SLOTS])
