@@ -166,8 +166,7 @@ FASTLN_INLINE void FASTLN_NAME(fold_floats)(const FASTLN_VF partial[FASTLN_FLOAT
 }
 
 /* The float runs over a row's blocks (the last one padded: ln_backward_pad) into the slots'
- * double totals. Inlined twice, with and without gamma, so that the loop
- * has no test for it. */
+ * double totals. Inlined twice, with and without gamma, so that the loop has no test for it. */
 FASTLN_INLINE void FASTLN_NAME(ln_backward_float_slots)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *padded,
     float mean, int64_t n_cols, double dxhat_slots[FASTLN_SLOTS],
@@ -755,8 +754,9 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean_double)(const FASTLN_T *dy,
 }
 
 #if FASTLN_COMPUTE_F32
-/* The float runs of sum(dx_hat * x_hat) into the slots' double totals (LayerNorm's first pass in
- * float has the rule), x_hat = x * x_scale formed in float; inlined with and without gamma. */
+/* The float runs of sum(dx_hat * x_hat) into the slots' double totals, by the rule of
+ * LayerNorm's float first pass, x_hat = x * x_scale formed in float; inlined with and without
+ * gamma. */
 FASTLN_INLINE void FASTLN_NAME(rms_backward_float_slots)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *padded,
     float x_scale, int64_t n_cols, double slots[FASTLN_SLOTS])
