@@ -93,6 +93,28 @@ static inline void fastln_bn_train_constants(const fastln_bn_call *call)
     }
 }
 
+/* The float apply's constants (fastln/forward.h, bn_apply_rows_float), once per call from the
+ * double ones: the feature's mean shift + center split into a float head and tail (head + tail =
+ * the mean to about 2^-48 of itself), scale and offset rounded to float. A feature whose
+ * constants are outside float's comfortable range (not finite, a scale beyond 1e30 or below
+ * 1e-30 but not 0) gets a NaN scale: each of its elements is then computed in double. */
+static inline void fastln_bn_float_constants(const fastln_bn_call *call)
+{
+    const int64_t n = call->n_features;
+    float *head = call->float_constants, *tail = head + n, *scale = head + 2 * n;
+    float *offset = head + 3 * n;
+    for (int64_t c = 0; c < n; c++) {
+        const double mean = call->shift[c] + call->center[c];
+        const double s = fabs(call->scale[c]);
+        const int in_range = fabs(mean) < 1e38 && fabs(call->offset[c]) < 1e38 && s < 1e30
+                             && (s > 1e-30 || s == 0);
+        head[c] = in_range ? (float)mean : 0.0f;
+        tail[c] = in_range ? (float)(mean - (double)head[c]) : 0.0f;
+        scale[c] = in_range ? (float)call->scale[c] : NAN;
+        offset[c] = in_range ? (float)call->offset[c] : 0.0f;
+    }
+}
+
 /* Evaluation forward: the same write-pass constants from the running statistics
  * (shift = running_mean, center = 0). */
 static inline void fastln_bn_eval_constants(const fastln_bn_call *call)
@@ -106,6 +128,7 @@ static inline void fastln_bn_eval_constants(const fastln_bn_call *call)
         call->scale[c] = call->gamma ? rstd * call->gamma[c] : rstd;
         call->offset[c] = call->beta ? call->beta[c] : 0.0;
     }
+    if (call->float_constants) fastln_bn_float_constants(call);
 }
 
 /* Backward: dgamma, dbeta and the constants of the dx pass from the sums over each feature's

@@ -237,6 +237,7 @@ static void FASTLN_NAME(bn_train_constants_task)(const void *opaque, int64_t beg
                                call->sumsq);
     fastln_bn_train_constants(call);
     FASTLN_NAME(bn_rescale_train)(call->x, call);
+    if (call->float_constants) fastln_bn_float_constants(call);
 }
 
 static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_t end)
@@ -248,10 +249,15 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
         if (call->n_inner == 1) {
             const int64_t start = unit * call->rows_per_unit;
             const int64_t offset = start * call->n_features;
-            FASTLN_NAME(bn_apply_rows)(x + offset, y + offset,
-                                       fastln_min(call->rows_per_unit, call->n_outer - start),
-                                       call->n_features, call->shift, call->center, call->scale,
-                                       call->offset);
+            const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
+#if FASTLN_COMPUTE_F32
+            if (call->float_constants) {
+                FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call);
+                continue;
+            }
+#endif
+            FASTLN_NAME(bn_apply_rows)(x + offset, y + offset, n_rows, call->n_features,
+                                       call->shift, call->center, call->scale, call->offset);
         } else {
             const int64_t c = unit % call->n_features;
             FASTLN_NAME(bn_apply_segment)(x + unit * call->n_inner, y + unit * call->n_inner,

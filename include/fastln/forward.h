@@ -343,6 +343,56 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
     }
 }
 
+#if FASTLN_COMPUTE_F32
+/* One element of the float apply: the float result when it is finite, else the double one. */
+FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply_element)(FASTLN_T x, float value,
+                                                     const fastln_bn_call *call, int64_t c)
+{
+    if (isfinite(value)) return FASTLN_NAME(from_compute)(value);
+    return FASTLN_NAME(from_double)(
+        ((FASTLN_NAME(to_double)(x) - call->shift[c]) - call->center[c]) * call->scale[c]
+        + call->offset[c]);
+}
+
+/* The rows layout in float for the float32-compute types, as LayerNorm's float write pass:
+ * y = ((x - head) - tail) * scale + offset in float with the call's float constants
+ * (fastln_bn_float_constants), within a few u32 of the double computation. Each element whose
+ * float result is Inf or NaN (every element of a feature whose constants float cannot hold:
+ * its scale is NaN) is computed in double instead, from its x (not yet overwritten when y is
+ * x): the rule is per element, so a feature's results never depend on its neighbours. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_T *y,
+                                                     int64_t n_rows, const fastln_bn_call *call)
+{
+    const int64_t n = call->n_features;
+    const float *head = call->float_constants, *tail = head + n, *scale = head + 2 * n;
+    const float *offset = head + 3 * n;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *row = x + r * n;
+        FASTLN_T *out = y + r * n;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
+            FASTLN_VF v = ((FASTLN_NAME(load_c)(row + c) - FASTLN_ISA(load_f32)(head + c))
+                           - FASTLN_ISA(load_f32)(tail + c))
+                              * FASTLN_ISA(load_f32)(scale + c)
+                          + FASTLN_ISA(load_f32)(offset + c);
+            if (FASTLN_ISA(any_not_finite)(v)) {
+                FASTLN_T lanes[FASTLN_VF_LANES];
+                for (int l = 0; l < FASTLN_VF_LANES; l++)
+                    lanes[l] = FASTLN_NAME(bn_apply_element)(row[c + l], v[l], call, c + l);
+                memcpy(out + c, lanes, sizeof lanes);
+                continue;
+            }
+            FASTLN_NAME(store_c)(out + c, v);
+        }
+        for (; c < n; c++) {
+            const float v = ((FASTLN_NAME(to_compute)(row[c]) - head[c]) - tail[c]) * scale[c]
+                            + offset[c];
+            out[c] = FASTLN_NAME(bn_apply_element)(row[c], v, call, c);
+        }
+    }
+}
+#endif
+
 /* Segments layout: one segment of n_inner values of one feature. */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment)(const FASTLN_T *x, FASTLN_T *y, int64_t n_inner,
                                                  double shift, double center, double scale,

@@ -108,6 +108,24 @@ FASTLN_INLINE FASTLN_VF FASTLN_ISA(narrow_pair)(FASTLN_VD low, FASTLN_VD high)
 #endif
 }
 
+/* Whether any lane of v is Inf or NaN (its exponent bits all set). */
+FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
+{
+    const FASTLN_VU32 exponent = (FASTLN_VU32)v & 0x7f800000u;
+    const FASTLN_VU32 special = (FASTLN_VU32)(exponent == 0x7f800000u);
+#if defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)special, (__m512i)special) != 0;
+#elif defined(__AVX2__)
+    return !_mm256_testz_si256((__m256i)special, (__m256i)special);
+#elif defined(__x86_64__)
+    return _mm_movemask_ps((__m128)special) != 0;
+#else
+    int any = 0;
+    for (int l = 0; l < FASTLN_VF_LANES; l++) any |= special[l] != 0;
+    return any;
+#endif
+}
+
 /* float16 <-> float32 for a vector: F16C's conversions where the target has them (AVX2 and
  * AVX-512 targets do), else the portable bit arithmetic of fastln/convert.h lane by lane on
  * integer vectors. Both are exact one way and round to nearest even the other, as NumPy's

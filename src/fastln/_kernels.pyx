@@ -97,6 +97,7 @@ cdef extern from "fastln/kernels.h" nogil:
         double *mean_dy
         double *coef
         double *dx_mean
+        float *float_constants
         double *partials
         int64_t *finish
         int64_t *n_finish
@@ -463,6 +464,7 @@ cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
     call.beta = call.running_mean = call.running_var = NULL
     call.dgamma_out = call.dbeta_out = NULL
     call.dx_mean = NULL
+    call.float_constants = NULL
     fastln_bn_layout(call, FASTLN_MAX_BLOCKS)
 
 
@@ -489,8 +491,11 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     call.var = <double*>cnp.PyArray_DATA(var)
     call.rstd = <double*>cnp.PyArray_DATA(rstd)
     # shift, center, scale, offset, sum, sumsq, then the rare features' indices (int64, as wide
-    # as a double) and their count
-    cdef double *scratch = <double*>calloc(7 * n_features + 1, sizeof(double))
+    # as a double) and their count, then (rows layout, float32-compute types) the float apply's
+    # four float constants per feature, as wide as two doubles
+    cdef bint float_apply = n_inner == 1 and storage != FASTLN_FLOAT64
+    cdef double *scratch = <double*>calloc(7 * n_features + 1 + (2 * n_features if float_apply
+                                                                   else 0), sizeof(double))
     call.partials = NULL
     if training:
         call.partials = <double*>calloc(2 * call.n_blocks * n_features, sizeof(double))
@@ -506,6 +511,8 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     call.sumsq = _features(scratch, n_features, 5)
     call.finish = <int64_t*>_features(scratch, n_features, 6)
     call.n_finish = <int64_t*>_features(scratch, n_features, 7)
+    if float_apply:
+        call.float_constants = <float*>(_features(scratch, n_features, 7) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
     with nogil:
         if training:
