@@ -76,3 +76,42 @@ def test_half_precision_is_the_float32_apply_rounded_once(rng):
         y_half = fastln.batch_norm(half, training=True)
         y_float = fastln.batch_norm(half.astype(np.float32), training=True)
         assert_bitwise_equal(y_half, y_float.astype(dtype))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval"])
+def test_backward_within_a_few_u32_of_the_double_pass(rng, training):
+    x = (1e4 + rng.standard_normal((300, 77))).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    gamma = rng.standard_normal(77).astype(np.float32)
+    running = (1e4 + rng.standard_normal(77), rng.random(77) + 0.5)
+    _, cache = fastln.batch_norm_forward(x, gamma, None, running[0].copy(), running[1].copy(),
+                                         training=training)
+    dx, _, _ = fastln.batch_norm_backward(dy, cache, gamma)
+    _, cache64 = fastln.batch_norm_forward(x.astype(np.float64), gamma.astype(np.float64), None,
+                                           running[0].copy(), running[1].copy(),
+                                           training=training)
+    dx64, _, _ = fastln.batch_norm_backward(dy.astype(np.float64), cache64,
+                                            gamma.astype(np.float64))
+    scale = np.abs(dx64).max(axis=0)
+    assert np.max(np.abs(dx - dx64) / scale) <= 1e-6
+
+
+def test_backward_values_near_float_limits_are_computed_in_double(rng):
+    """dy near FLT_MAX in one feature: dy - mean(dy) overflows float32, not double (the result
+    for the first row is beyond float32 either way: inf); the other features are unaffected."""
+    big = np.finfo(np.float32).max
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    dy = rng.standard_normal((64, 16)).astype(np.float32)
+    dy[:, 3] = np.float32(-0.9 * big)
+    dy[0, 3] = np.float32(0.9 * big)
+    _, cache = fastln.batch_norm_forward(x, training=True)
+    dx, _, _ = fastln.batch_norm_backward(dy, cache)
+    _, cache64 = fastln.batch_norm_forward(x.astype(np.float64), training=True)
+    dx64, _, _ = fastln.batch_norm_backward(dy.astype(np.float64), cache64)
+    assert np.all(np.isfinite(dx[1:, 3])) and np.isinf(dx[0, 3])
+    with np.errstate(over="ignore"):
+        np.testing.assert_allclose(dx[:, 3], dx64[:, 3].astype(np.float32), rtol=1e-5)
+    keep = [c for c in range(16) if c != 3]
+    _, cache_keep = fastln.batch_norm_forward(np.ascontiguousarray(x[:, keep]), training=True)
+    dx_keep, _, _ = fastln.batch_norm_backward(np.ascontiguousarray(dy[:, keep]), cache_keep)
+    assert_bitwise_equal(dx[:, keep], dx_keep)

@@ -1222,6 +1222,74 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(
     }
 }
 
+#if FASTLN_COMPUTE_F32
+/* One element of the float dx pass: the float result when it is finite, else the double one. */
+FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_backward_element)(FASTLN_T dy, FASTLN_T x, float value,
+                                                        const fastln_bn_call *call, int64_t c)
+{
+    if (isfinite(value)) return FASTLN_NAME(from_compute)(value);
+    const double g = FASTLN_NAME(to_double)(dy);
+    if (!call->training) return FASTLN_NAME(from_double)(g * call->k[c]);
+    const double centred = (FASTLN_NAME(to_double)(x) - call->dx_mean[c]) - call->correction[c];
+    return FASTLN_NAME(from_double)(call->k[c] * ((g - call->mean_dy[c]) - centred * call->coef[c]));
+}
+
+/* The rows layout's dx pass in float for the float32-compute types (the forward's rule,
+ * bn_apply_rows_float): dx = k * ((dy - mean_dy) - ((x - head) - tail) * coef) in training,
+ * dy * k in evaluation, with the call's float constants
+ * (fastln_bn_backward_float_constants); each element whose float result is not finite, and
+ * every element of a feature whose constants float cannot hold (k is NaN), is computed in
+ * double from its dy and x (the vector is not stored yet, also when dx is dy). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
+    const fastln_bn_call *call)
+{
+    const int64_t n = call->n_features;
+    const float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
+    const float *mean_dy = head + 3 * n, *coef = head + 4 * n;
+    const int training = call->training;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *dy_row = dy + r * n, *x_row = x + r * n;
+        FASTLN_T *dx_row = dx + r * n;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
+            const FASTLN_VF g = FASTLN_NAME(load_c)(dy_row + c);
+            FASTLN_VF v;
+            if (training) {
+                const FASTLN_VF centred =
+                    (FASTLN_NAME(load_c)(x_row + c) - FASTLN_ISA(load_f32)(head + c))
+                    - FASTLN_ISA(load_f32)(tail + c);
+                v = FASTLN_ISA(load_f32)(k + c)
+                    * ((g - FASTLN_ISA(load_f32)(mean_dy + c))
+                       - centred * FASTLN_ISA(load_f32)(coef + c));
+            } else {
+                v = g * FASTLN_ISA(load_f32)(k + c);
+            }
+            if (FASTLN_ISA(any_not_finite)(v)) {
+                FASTLN_T lanes[FASTLN_VF_LANES];
+                for (int l = 0; l < FASTLN_VF_LANES; l++)
+                    lanes[l] = FASTLN_NAME(bn_backward_element)(dy_row[c + l], x_row[c + l], v[l],
+                                                                call, c + l);
+                memcpy(dx_row + c, lanes, sizeof lanes);
+                continue;
+            }
+            FASTLN_NAME(store_c)(dx_row + c, v);
+        }
+        for (; c < n; c++) {
+            const float g = FASTLN_NAME(to_compute)(dy_row[c]);
+            float v;
+            if (training) {
+                const float centred = (FASTLN_NAME(to_compute)(x_row[c]) - head[c]) - tail[c];
+                v = k[c] * ((g - mean_dy[c]) - centred * coef[c]);
+            } else {
+                v = g * k[c];
+            }
+            dx_row[c] = FASTLN_NAME(bn_backward_element)(dy_row[c], x_row[c], v, call, c);
+        }
+    }
+}
+#endif
+
 /* Segments layout, one segment of one feature (training, or evaluation's dx = dy * k). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, FASTLN_T *dx, int64_t n_inner,

@@ -160,6 +160,35 @@ static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
     }
 }
 
+/* The backward's float apply constants (fastln/backward.h, bn_backward_apply_rows_float), once
+ * per call from the double ones, by the forward's rule (fastln_bn_float_constants): the dx
+ * pass's mean dx_mean + correction as a float head and tail, k, mean_dy and coef in float. A
+ * feature with a constant outside float's comfortable range (not finite, beyond 1e30, or below
+ * 1e-30 but not 0; the mean beyond 1e38) gets a NaN k: its elements are computed in double. */
+static inline int fastln_bn_float_in_range(double value, double limit)
+{
+    const double a = fabs(value);
+    return a < limit && (a > 1e-30 || a == 0);
+}
+
+static inline void fastln_bn_backward_float_constants(const fastln_bn_call *call)
+{
+    const int64_t n = call->n_features;
+    float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
+    float *mean_dy = head + 3 * n, *coef = head + 4 * n;
+    for (int64_t c = 0; c < n; c++) {
+        const double mean = call->dx_mean[c] + call->correction[c];
+        const int in_range = fabs(mean) < 1e38 && fastln_bn_float_in_range(call->k[c], 1e30)
+                             && fastln_bn_float_in_range(call->mean_dy[c], 1e30)
+                             && fastln_bn_float_in_range(call->coef[c], 1e30);
+        head[c] = in_range ? (float)mean : 0.0f;
+        tail[c] = in_range ? (float)(mean - (double)head[c]) : 0.0f;
+        k[c] = in_range ? (float)call->k[c] : NAN;
+        mean_dy[c] = in_range ? (float)call->mean_dy[c] : 0.0f;
+        coef[c] = in_range ? (float)call->coef[c] : 0.0f;
+    }
+}
+
 /* 1 / sqrt(var + eps) as rstd_scaled * 2^exponent, given var = var_scaled * 2^(-2 exponent):
  * 1 / sqrt(var_scaled + eps * 2^(2 exponent)). When eps * 2^(2 exponent) is beyond double, var
  * (below eps by more than double's range) is nothing next to eps. */

@@ -319,6 +319,7 @@ static void FASTLN_NAME(bn_backward_constants_task)(const void *opaque, int64_t 
     fastln_bn_backward_constants(call);
     *call->n_finish = 0;
     if (call->training) FASTLN_NAME(bn_rescale_backward)(call->dy, call->x, call);
+    if (call->float_constants) fastln_bn_backward_float_constants(call);
     FASTLN_P *dgamma = call->dgamma_out, *dbeta = call->dbeta_out;
     for (int64_t c = 0; c < call->n_features; c++) {
         dgamma[c] = (FASTLN_P)call->dgamma[c];
@@ -335,11 +336,17 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
         if (call->n_inner == 1) {
             const int64_t start = unit * call->rows_per_unit;
             const int64_t offset = start * call->n_features;
+            const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
+#if FASTLN_COMPUTE_F32
+            if (call->float_constants) {
+                FASTLN_NAME(bn_backward_apply_rows_float)(dy + offset, x + offset, dx + offset,
+                                                          n_rows, call);
+                continue;
+            }
+#endif
             FASTLN_NAME(bn_backward_apply_rows)(
-                dy + offset, x + offset, dx + offset,
-                fastln_min(call->rows_per_unit, call->n_outer - start), call->n_features,
-                call->training, call->dx_mean, call->correction, call->k, call->mean_dy,
-                call->coef);
+                dy + offset, x + offset, dx + offset, n_rows, call->n_features, call->training,
+                call->dx_mean, call->correction, call->k, call->mean_dy, call->coef);
         } else {
             const int64_t c = unit % call->n_features, offset = unit * call->n_inner;
             FASTLN_NAME(bn_backward_apply_segment)(dy + offset, x + offset, dx + offset,

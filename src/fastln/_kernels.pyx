@@ -547,8 +547,11 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.dgamma_out = cnp.PyArray_DATA(dgamma)
     call.dbeta_out = cnp.PyArray_DATA(dbeta)
     # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, dx_mean, then the rare
-    # features' indices and their count
-    cdef double *scratch = <double*>calloc(10 * n_features + 1, sizeof(double))
+    # features' indices and their count, then (rows layout, float32-compute types) the float dx
+    # pass's five float constants per feature, in the room of three doubles
+    cdef bint float_apply = n_inner == 1 and storage != FASTLN_FLOAT64
+    cdef double *scratch = <double*>calloc(10 * n_features + 1 + (3 * n_features if float_apply
+                                                                    else 0), sizeof(double))
     call.partials = <double*>calloc(3 * call.n_blocks * n_features, sizeof(double))
     if scratch == NULL or call.partials == NULL:
         free(scratch)
@@ -565,6 +568,8 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.dx_mean = _features(scratch, n_features, 8)
     call.finish = <int64_t*>_features(scratch, n_features, 9)
     call.n_finish = <int64_t*>_features(scratch, n_features, 10)
+    if float_apply:
+        call.float_constants = <float*>(_features(scratch, n_features, 10) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
     with nogil:
         _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), &call, call.n_blocks * call.n_chunks,
