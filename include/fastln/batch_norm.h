@@ -98,6 +98,13 @@ static inline void fastln_bn_train_constants(const fastln_bn_call *call)
  * the mean to about 2^-48 of itself), scale and offset rounded to float. A feature whose
  * constants are outside float's comfortable range (not finite, a scale beyond 1e30 or below
  * 1e-30 but not 0) gets a NaN scale: each of its elements is then computed in double. */
+/* Whether float holds a constant of this magnitude well: below limit, and 0 or above 1e-30. */
+static inline int fastln_bn_float_in_range(double value, double limit)
+{
+    const double a = fabs(value);
+    return a < limit && (a > 1e-30 || a == 0);
+}
+
 static inline void fastln_bn_float_constants(const fastln_bn_call *call)
 {
     const int64_t n = call->n_features;
@@ -105,9 +112,8 @@ static inline void fastln_bn_float_constants(const fastln_bn_call *call)
     float *offset = head + 3 * n;
     for (int64_t c = 0; c < n; c++) {
         const double mean = call->shift[c] + call->center[c];
-        const double s = fabs(call->scale[c]);
-        const int in_range = fabs(mean) < 1e38 && fabs(call->offset[c]) < 1e38 && s < 1e30
-                             && (s > 1e-30 || s == 0);
+        const int in_range = fabs(mean) < 1e38 && fabs(call->offset[c]) < 1e38
+                             && fastln_bn_float_in_range(call->scale[c], 1e30);
         head[c] = in_range ? (float)mean : 0.0f;
         tail[c] = in_range ? (float)(mean - (double)head[c]) : 0.0f;
         scale[c] = in_range ? (float)call->scale[c] : NAN;
@@ -165,12 +171,6 @@ static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
  * pass's mean dx_mean + correction as a float head and tail, k, mean_dy and coef in float. A
  * feature with a constant outside float's comfortable range (not finite, beyond 1e30, or below
  * 1e-30 but not 0; the mean beyond 1e38) gets a NaN k: its elements are computed in double. */
-static inline int fastln_bn_float_in_range(double value, double limit)
-{
-    const double a = fabs(value);
-    return a < limit && (a > 1e-30 || a == 0);
-}
-
 static inline void fastln_bn_backward_float_constants(const fastln_bn_call *call)
 {
     const int64_t n = call->n_features;
