@@ -135,6 +135,20 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass_double)(
  * double pass's by float roundings relative to the terms (measured bound: docs/performance.md),
  * and it is the same for every offset of the row, thread count and instruction set. */
 
+/* dx_hat = dy * gamma (dy without gamma) for the vector at e, in float; and the same from a
+ * padded last block (its dy, then x, then gamma, FASTLN_SLOTS each). */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(float_dx_hat)(const FASTLN_T *dy, const FASTLN_P *gamma,
+                                                  int64_t e)
+{
+    const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + e);
+    return gamma ? dy_v * FASTLN_NAME(load_p)(gamma + e) : dy_v;
+}
+
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(padded_dx_hat)(const FASTLN_P *padded, int64_t e)
+{
+    return FASTLN_NAME(load_p)(padded + e) * FASTLN_NAME(load_p)(padded + 2 * FASTLN_SLOTS + e);
+}
+
 /* Adds one vector of terms to this pass's float partials. */
 FASTLN_INLINE void FASTLN_NAME(ln_backward_add_floats)(FASTLN_VF dx_hat, FASTLN_VF x_v,
                                                        float mean, FASTLN_VF *sum_dxhat,
@@ -178,25 +192,23 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_float_slots)(
             FASTLN_VF sum_dxhat[FASTLN_FLOAT_PASS_VECTORS] = {0};
             FASTLN_VF sum_dxhat_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
             FASTLN_VF sum_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
-            const int64_t run_end = run + FASTLN_FLOAT_RUN * FASTLN_SLOTS;
-            const int64_t whole_end = run_end < n_whole ? run_end : n_whole;
+            int padded_block;
+            const int64_t whole_end = fastln_float_run_end(run, n_whole, n_cols, &padded_block);
             for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
                 FASTLN_UNROLL
                 for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
                     const int64_t e = i + first + j * FASTLN_VF_LANES;
-                    FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy + e);
-                    if (gamma) dx_hat *= FASTLN_NAME(load_p)(gamma + e);
+                    const FASTLN_VF dx_hat = FASTLN_NAME(float_dx_hat)(dy, gamma, e);
                     FASTLN_NAME(ln_backward_add_floats)(dx_hat, FASTLN_NAME(load_c)(x + e), mean,
                                                         &sum_dxhat[j], &sum_dxhat_d[j],
                                                         &sum_d[j]);
                 }
             }
-            if (n_whole < n_cols && n_whole < run_end) {
+            if (padded_block) {
                 FASTLN_UNROLL
                 for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
                     const int64_t e = first + j * FASTLN_VF_LANES;
-                    const FASTLN_VF dx_hat = FASTLN_NAME(load_p)(padded + e)
-                                             * FASTLN_NAME(load_p)(padded + 2 * FASTLN_SLOTS + e);
+                    const FASTLN_VF dx_hat = FASTLN_NAME(padded_dx_hat)(padded, e);
                     FASTLN_NAME(ln_backward_add_floats)(
                         dx_hat, FASTLN_NAME(load_p)(padded + FASTLN_SLOTS + e), mean,
                         &sum_dxhat[j], &sum_dxhat_d[j], &sum_d[j]);
@@ -765,23 +777,21 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_slots)(
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
         for (int64_t run = 0; run < n_cols; run += FASTLN_FLOAT_RUN * FASTLN_SLOTS) {
             FASTLN_VF sum[FASTLN_FLOAT_PASS_VECTORS] = {0};
-            const int64_t run_end = run + FASTLN_FLOAT_RUN * FASTLN_SLOTS;
-            const int64_t whole_end = run_end < n_whole ? run_end : n_whole;
+            int padded_block;
+            const int64_t whole_end = fastln_float_run_end(run, n_whole, n_cols, &padded_block);
             for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
                 FASTLN_UNROLL
                 for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
                     const int64_t e = i + first + j * FASTLN_VF_LANES;
-                    FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy + e);
-                    if (gamma) dx_hat *= FASTLN_NAME(load_p)(gamma + e);
+                    const FASTLN_VF dx_hat = FASTLN_NAME(float_dx_hat)(dy, gamma, e);
                     sum[j] += dx_hat * (FASTLN_NAME(load_c)(x + e) * x_scale);
                 }
             }
-            if (n_whole < n_cols && n_whole < run_end) {
+            if (padded_block) {
                 FASTLN_UNROLL
                 for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
                     const int64_t e = first + j * FASTLN_VF_LANES;
-                    const FASTLN_VF dx_hat = FASTLN_NAME(load_p)(padded + e)
-                                             * FASTLN_NAME(load_p)(padded + 2 * FASTLN_SLOTS + e);
+                    const FASTLN_VF dx_hat = FASTLN_NAME(padded_dx_hat)(padded, e);
                     sum[j] += dx_hat * (FASTLN_NAME(load_p)(padded + FASTLN_SLOTS + e) * x_scale);
                 }
             }

@@ -64,6 +64,16 @@ typedef int64_t fastln_i64x8 __attribute__((vector_size(64)));
  * length; the folds cost one widening per slot per run. */
 #define FASTLN_FLOAT_RUN 32
 
+/* The float run starting at element `run` of a row: its whole blocks end at the returned index;
+ * *padded tells whether the row's padded last block (from n_whole on) belongs to it. */
+FASTLN_INLINE int64_t fastln_float_run_end(int64_t run, int64_t n_whole, int64_t n_cols,
+                                           int *padded)
+{
+    const int64_t run_end = run + FASTLN_FLOAT_RUN * FASTLN_SLOTS;
+    *padded = n_whole < n_cols && n_whole < run_end;
+    return run_end < n_whole ? run_end : n_whole;
+}
+
 /* The fixed tree over the slots: four groups of eight added pairwise, then the eight. */
 FASTLN_INLINE double fastln_reduce_slots(const double slots[FASTLN_SLOTS])
 {
