@@ -1186,6 +1186,18 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_segments)(
     *sum_d_out = fastln_reduce_slots(d_slots);
 }
 
+/* One element of the dx pass in double (the rows' and segments' tails, and the float pass's
+ * fallback). */
+FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_backward1_double)(FASTLN_T dy, FASTLN_T x, int training,
+                                                        double mean, double correction, double k,
+                                                        double mean_dy, double coef)
+{
+    const double g = FASTLN_NAME(to_double)(dy);
+    if (!training) return FASTLN_NAME(from_double)(g * k);
+    const double centred = (FASTLN_NAME(to_double)(x) - mean) - correction;
+    return FASTLN_NAME(from_double)(k * ((g - mean_dy) - centred * coef));
+}
+
 /* Training, rows layout: dx = k * ((dy - mean_dy) - ((x - mean) - correction) * coef);
  * evaluation (training 0): dx = dy * k. */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(
@@ -1218,17 +1230,9 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(
             }
             FASTLN_NAME(store_wide)(dx_row + c, g[0], g[1]);
         }
-        for (; c < n_features; c++) {
-            const double g = FASTLN_NAME(to_double)(dy_row[c]);
-            double out;
-            if (training) {
-                const double centred = (FASTLN_NAME(to_double)(x_row[c]) - mean[c]) - correction[c];
-                out = k[c] * ((g - mean_dy[c]) - centred * coef[c]);
-            } else {
-                out = g * k[c];
-            }
-            dx_row[c] = FASTLN_NAME(from_double)(out);
-        }
+        for (; c < n_features; c++)
+            dx_row[c] = FASTLN_NAME(bn_backward1_double)(dy_row[c], x_row[c], training, mean[c],
+                                                         correction[c], k[c], mean_dy[c], coef[c]);
     }
 }
 
@@ -1238,10 +1242,9 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_backward_element)(FASTLN_T dy, FASTLN_T x,
                                                         const fastln_bn_call *call, int64_t c)
 {
     if (isfinite(value)) return FASTLN_NAME(from_compute)(value);
-    const double g = FASTLN_NAME(to_double)(dy);
-    if (!call->training) return FASTLN_NAME(from_double)(g * call->k[c]);
-    const double centred = (FASTLN_NAME(to_double)(x) - call->dx_mean[c]) - call->correction[c];
-    return FASTLN_NAME(from_double)(call->k[c] * ((g - call->mean_dy[c]) - centred * call->coef[c]));
+    return FASTLN_NAME(bn_backward1_double)(dy, x, call->training, call->dx_mean[c],
+                                            call->correction[c], call->k[c], call->mean_dy[c],
+                                            call->coef[c]);
 }
 
 /* The rows layout's dx pass in float for the float32-compute types (the forward's rule,
@@ -1321,17 +1324,9 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
         }
         FASTLN_NAME(store_wide)(dx + l, g[0], g[1]);
     }
-    for (; l < n_inner; l++) {
-        const double g = FASTLN_NAME(to_double)(dy[l]);
-        double out;
-        if (training) {
-            const double centred = (FASTLN_NAME(to_double)(x[l]) - mean) - correction;
-            out = k * ((g - mean_dy) - centred * coef);
-        } else {
-            out = g * k;
-        }
-        dx[l] = FASTLN_NAME(from_double)(out);
-    }
+    for (; l < n_inner; l++)
+        dx[l] = FASTLN_NAME(bn_backward1_double)(dy[l], x[l], training, mean, correction, k,
+                                                 mean_dy, coef);
 }
 
 /* ---- GroupNorm ------------------------------------------------------------------------------

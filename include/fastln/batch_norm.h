@@ -105,6 +105,13 @@ static inline int fastln_bn_float_in_range(double value, double limit)
     return a < limit && (a > 1e-30 || a == 0);
 }
 
+/* mean as a float head and tail (0 and 0 when the feature is out of range). */
+static inline void fastln_bn_float_mean(double mean, int in_range, float *head, float *tail)
+{
+    *head = in_range ? (float)mean : 0.0f;
+    *tail = in_range ? (float)(mean - (double)*head) : 0.0f;
+}
+
 static inline void fastln_bn_float_constants(const fastln_bn_call *call)
 {
     const int64_t n = call->n_features;
@@ -114,8 +121,7 @@ static inline void fastln_bn_float_constants(const fastln_bn_call *call)
         const double mean = call->shift[c] + call->center[c];
         const int in_range = fabs(mean) < 1e38 && fabs(call->offset[c]) < 1e38
                              && fastln_bn_float_in_range(call->scale[c], 1e30);
-        head[c] = in_range ? (float)mean : 0.0f;
-        tail[c] = in_range ? (float)(mean - (double)head[c]) : 0.0f;
+        fastln_bn_float_mean(mean, in_range, &head[c], &tail[c]);
         scale[c] = in_range ? (float)call->scale[c] : NAN;
         offset[c] = in_range ? (float)call->offset[c] : 0.0f;
     }
@@ -181,8 +187,7 @@ static inline void fastln_bn_backward_float_constants(const fastln_bn_call *call
         const int in_range = fabs(mean) < 1e38 && fastln_bn_float_in_range(call->k[c], 1e30)
                              && fastln_bn_float_in_range(call->mean_dy[c], 1e30)
                              && fastln_bn_float_in_range(call->coef[c], 1e30);
-        head[c] = in_range ? (float)mean : 0.0f;
-        tail[c] = in_range ? (float)(mean - (double)head[c]) : 0.0f;
+        fastln_bn_float_mean(mean, in_range, &head[c], &tail[c]);
         k[c] = in_range ? (float)call->k[c] : NAN;
         mean_dy[c] = in_range ? (float)call->mean_dy[c] : 0.0f;
         coef[c] = in_range ? (float)call->coef[c] : 0.0f;

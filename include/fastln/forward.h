@@ -314,6 +314,14 @@ FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *res
 
 /* ---- BatchNorm: y = ((x - shift) - center) * scale + offset ----------------------------- */
 
+/* One element in double (the rows' and segments' tails, and the float apply's fallback). */
+FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply1_double)(FASTLN_T x, double shift, double center,
+                                                     double scale, double offset)
+{
+    return FASTLN_NAME(from_double)(((FASTLN_NAME(to_double)(x) - shift) - center) * scale
+                                    + offset);
+}
+
 /* Rows layout, n_rows rows of n_features values; the four constants are per-feature arrays.
  * Features never mix, so the vector width changes nothing. */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
@@ -338,8 +346,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
             FASTLN_NAME(store_wide)(out + c, value[0], value[1]);
         }
         for (; c < n_features; c++)
-            out[c] = FASTLN_NAME(from_double)(
-                ((FASTLN_NAME(to_double)(row[c]) - shift[c]) - center[c]) * scale[c] + offset[c]);
+            out[c] = FASTLN_NAME(bn_apply1_double)(row[c], shift[c], center[c], scale[c],
+                                                   offset[c]);
     }
 }
 
@@ -349,9 +357,8 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply_element)(FASTLN_T x, float value,
                                                      const fastln_bn_call *call, int64_t c)
 {
     if (isfinite(value)) return FASTLN_NAME(from_compute)(value);
-    return FASTLN_NAME(from_double)(
-        ((FASTLN_NAME(to_double)(x) - call->shift[c]) - call->center[c]) * call->scale[c]
-        + call->offset[c]);
+    return FASTLN_NAME(bn_apply1_double)(x, call->shift[c], call->center[c], call->scale[c],
+                                         call->offset[c]);
 }
 
 /* The rows layout in float for the float32-compute types, as LayerNorm's float write pass:
@@ -407,8 +414,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment)(const FASTLN_T *x, FASTLN_T *
         FASTLN_NAME(store_wide)(y + l, low, high);
     }
     for (; l < n_inner; l++)
-        y[l] = FASTLN_NAME(from_double)(
-            ((FASTLN_NAME(to_double)(x[l]) - shift) - center) * scale + offset);
+        y[l] = FASTLN_NAME(bn_apply1_double)(x[l], shift, center, scale, offset);
 }
 
 /* ---- GroupNorm: y = ((x - shift) - mean_shifted) * scale + offset over a channel's values ---
