@@ -178,11 +178,22 @@ FASTLN_INLINE uint16_t FASTLN_ISA(float_to_float16)(float value)
  * vector arithmetic, the same on every target. */
 FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_bfloat16)(const uint16_t *p)
 {
+#if defined(__AVX512F__)
+    return (FASTLN_VF)_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    return (FASTLN_VF)_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#elif defined(__x86_64__)
+    /* each half below a zero half: the 32-bit lane is half << 16 */
+    return (FASTLN_VF)_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+#else
     FASTLN_VU32 bits;
     for (int k = 0; k < FASTLN_VF_LANES; k++) bits[k] = (uint32_t)p[k] << 16;
     FASTLN_VF v;
     memcpy(&v, &bits, sizeof v);
     return v;
+#endif
 }
 
 FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
@@ -193,7 +204,20 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
     const FASTLN_VU32 nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
     const FASTLN_VU32 is_nan = (FASTLN_VU32)((bits & 0x7fffffffu) > 0x7f800000u);
     const FASTLN_VU32 result = (nan & is_nan) | (rounded & ~is_nan);
+    /* Each lane holds a value below 2^16: keep its low half. Written lane by lane, GCC stores
+     * the vector one element at a time in some loops; the narrowing instructions say it once. */
+#if defined(__AVX512F__)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)result));
+#elif defined(__AVX2__)
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128((__m256i)result),
+                                                    _mm256_extracti128_si256((__m256i)result, 1)));
+#elif defined(__x86_64__)
+    /* as signed 16-bit values (sign-extended from the low half), which packs keeps exactly */
+    const __m128i low = _mm_srai_epi32(_mm_slli_epi32((__m128i)result, 16), 16);
+    _mm_storel_epi64((__m128i *)p, _mm_packs_epi32(low, low));
+#else
     for (int k = 0; k < FASTLN_VF_LANES; k++) p[k] = (uint16_t)result[k];
+#endif
 }
 
 /* Streaming stores of n_bytes (see fastln_streaming_fence), in 16-byte pieces so that p needs
