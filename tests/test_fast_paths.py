@@ -545,6 +545,54 @@ def test_half_precision_takes_the_fast_path(monkeypatch, op, dtype):
     assert fast.error is None and fast.always_fast, fast.fast_results
 
 
+@pytest.mark.parametrize("dtype", _half_dtypes())
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"))
+def test_half_precision_parameters_in_x_format_take_the_fast_path(monkeypatch, op, dtype):
+    """gamma, beta and bias in x's own half format (as a float16 or bfloat16 model holds them)
+    are widened to float32 by the recogniser: the fast path, the general path's bits - also
+    with a signalling NaN in gamma, which the general path's cast keeps and the recogniser's
+    widening makes quiet."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+
+    def call(d):
+        x, dy = d["x"].astype(dtype), d["dy"].astype(dtype)
+        gamma, beta, bias = (d[name].astype(dtype) for name in ("gamma", "beta", "bias"))
+        signalling_nan = np.array([0x7C01 if dtype == np.float16 else 0x7F81], np.uint16)
+        gamma[3] = signalling_nan.view(dtype)[0]
+        if op.startswith("add"):
+            params = (gamma, beta) if op == "add_layer_norm" else (gamma,)
+            y, s, cache = getattr(fastln, op + "_forward")(x, d["residual"].astype(dtype),
+                                                           *params, bias=bias)
+            backward = getattr(fastln, op[len("add_"):] + "_backward")
+            return y, s, cache, backward(dy, cache, gamma)
+        params = (gamma, beta) if op == "layer_norm" else (gamma,)
+        y, cache = getattr(fastln, op + "_forward")(x, *params)
+        return y, cache, getattr(fastln, op + "_backward")(dy, cache, gamma)
+    fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert np.isnan(fast.result[0][:, 3].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", _half_dtypes())
+def test_half_precision_gamma_inside_out(monkeypatch, dtype):
+    """A half gamma that lies inside out: the recogniser reads its float32 copy, made before y
+    is written, as the general path reads its cast - the result of a separate gamma."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))
+
+    def call(d, inside):
+        x, out = d["x"].astype(dtype), d["out"].astype(dtype)
+        gamma = d["gamma"].astype(dtype)
+        if inside:
+            out[0] = gamma
+            gamma = out[0]
+        return fastln.rms_norm(x, gamma, out=out).copy()
+    fast, _ = run_both(lambda d: call(d, True), np.float64, (5, N_COLS), monkeypatch)
+    separate = Outcome(lambda d: call(d, False), fresh_inputs(np.float64, (5, N_COLS)),
+                       monkeypatch, fast=True)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert_same_result(fast.result, separate.result)
+
+
 def _backward(op, forward_inputs=None, dy=None, gamma=False, tamper=None, **kwargs):
     """A call: forward (with forward_inputs applied to d), then backward; tamper edits the
     cache, dy edits dy, gamma=True passes gamma (or a function of it)."""

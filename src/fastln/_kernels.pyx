@@ -896,6 +896,21 @@ cdef inline object _new_column_sums(cnp.ndarray x, int typenum):
     return cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x) + cnp.PyArray_NDIM(x) - 1, typenum, 0)
 
 
+cdef inline object _as_param(object value, _FastRows *rows):
+    """gamma, beta or bias of a half-precision x given in x's own format (as a model in float16
+    or bfloat16 holds its weights): the float32 the kernels take. Any other value as it is, for
+    the recogniser's own tests."""
+    if ((rows.storage != FASTLN_FLOAT16 and rows.storage != FASTLN_BFLOAT16) or value is None
+            or not _is_param(value, rows.typenum, rows.n_cols)):
+        return value
+    cdef cnp.ndarray widened = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(<cnp.ndarray>value),
+                                                 cnp.NPY_FLOAT32, 0)
+    # As the kernels' loads widen x: exact, as NumPy's cast is, except that F16C makes a
+    # signalling NaN quiet - which changes no output, arithmetic on it giving that quiet NaN.
+    _convert(FASTLN_WIDEN, <cnp.ndarray>value, widened, rows.storage)
+    return widened
+
+
 # The recognisers' op codes (the forward task of each operation).
 LAYER_NORM = FASTLN_LAYER_NORM_FORWARD
 RMS_NORM = FASTLN_RMS_NORM_FORWARD
@@ -922,6 +937,7 @@ def row_norm_forward_fast(int op, object x, object residual, object gamma, objec
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
+    gamma, beta, bias = _as_param(gamma, &rows), _as_param(beta, &rows), _as_param(bias, &rows)
     cdef bint fused = op == FASTLN_ADD_LAYER_NORM_FORWARD or op == FASTLN_ADD_RMS_NORM_FORWARD
     cdef bint has_mean = op == FASTLN_LAYER_NORM_FORWARD or op == FASTLN_ADD_LAYER_NORM_FORWARD
     if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
@@ -976,6 +992,7 @@ def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rs
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
+    gamma = _as_param(gamma, &rows)
     # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
     if (type(axis) is not int or axis != rows.ndim - 1
             or not _is_kernel_array(dy, rows.typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
