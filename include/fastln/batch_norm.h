@@ -30,6 +30,10 @@
 #define FASTLN_BN_FEATURE_CHUNK 512
 #define FASTLN_BN_APPLY_ELEMENTS 8192
 
+/* The rows layout's statistics take rows in groups of this many (fastln/statistics.h,
+ * bn_stats_rows): a group of 512-feature float32 rows (one feature chunk) fits L1. */
+#define FASTLN_BN_ROW_GROUP 16
+
 /* The rare path takes a feature again when its variance and eps are both below this (its
  * squares may have underflowed; LayerNorm's FASTLN_TINY), and in the backward when rstd is above
  * FASTLN_BN_RSTD_HUGE = 1 / sqrt(FASTLN_BN_TINY) (its dy * (x - mean) may underflow). */

@@ -293,31 +293,68 @@ FASTLN_INLINE void FASTLN_NAME(bn_first_values)(const FASTLN_T *FASTLN_RESTRICT 
 
 /* Rows layout: sum[c] += d and sumsq[c] += d * d, d = x[r, c] - shift[c], for n_rows rows of
  * n_features values, consecutive rows row_stride elements apart. Features never mix, so the
- * vector width and a split of the features among threads change nothing. */
+ * vector width and a split of the features among threads change nothing. The rows go in groups
+ * of FASTLN_BN_ROW_GROUP (fastln/batch_norm.h), and over a group each chunk of features keeps
+ * its sums in registers: stored and loaded again for every row, they made each row wait for the
+ * previous row's stores. Each feature still adds its rows in row order: the same bits. */
+
+/* The sums of n_vectors float vectors' worth of features from c on, over n_rows rows. */
+FASTLN_INLINE void FASTLN_NAME(bn_stats_chunk)(
+    const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows, int64_t row_stride, int64_t c,
+    const int n_vectors, const double *FASTLN_RESTRICT shift, double *FASTLN_RESTRICT sum,
+    double *FASTLN_RESTRICT sumsq)
+{
+    FASTLN_VD sh[4], s[4], q[4];
+    FASTLN_UNROLL
+    for (int k = 0; k < 2 * n_vectors; k++) {
+        const int64_t at = c + k * FASTLN_VD_LANES;
+        sh[k] = FASTLN_ISA(load_f64)(shift + at);
+        s[k] = FASTLN_ISA(load_f64)(sum + at);
+        q[k] = FASTLN_ISA(load_f64)(sumsq + at);
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        FASTLN_UNROLL
+        for (int j = 0; j < n_vectors; j++) {
+            const FASTLN_T *at = x + r * row_stride + c + j * FASTLN_VF_LANES;
+            /* the same place in the next group's rows, which this chunk reads next */
+            __builtin_prefetch(at + FASTLN_BN_ROW_GROUP * row_stride, 0, 3);
+            FASTLN_VD d[2];
+            FASTLN_NAME(load_wide)(at, &d[0], &d[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const FASTLN_VD dev = d[h] - sh[2 * j + h];
+                s[2 * j + h] += dev;
+                q[2 * j + h] += dev * dev;
+            }
+        }
+    }
+    FASTLN_UNROLL
+    for (int k = 0; k < 2 * n_vectors; k++) {
+        const int64_t at = c + k * FASTLN_VD_LANES;
+        FASTLN_ISA(store_f64)(sum + at, s[k]);
+        FASTLN_ISA(store_f64)(sumsq + at, q[k]);
+    }
+}
+
 FASTLN_OUTLINED void FASTLN_NAME(bn_stats_rows)(
     const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows, int64_t n_features, int64_t row_stride,
     const double *FASTLN_RESTRICT shift, double *FASTLN_RESTRICT sum,
     double *FASTLN_RESTRICT sumsq)
 {
-    for (int64_t r = 0; r < n_rows; r++) {
-        const FASTLN_T *row = x + r * row_stride;
+    for (int64_t first = 0; first < n_rows; first += FASTLN_BN_ROW_GROUP) {
+        const FASTLN_T *rows = x + first * row_stride;
+        const int64_t n = fastln_min(FASTLN_BN_ROW_GROUP, n_rows - first);
         int64_t c = 0;
-        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
-            FASTLN_VD d[2];
-            FASTLN_NAME(load_wide)(row + c, &d[0], &d[1]);
-            FASTLN_UNROLL
-            for (int h = 0; h < 2; h++) {
-                const int64_t at = c + h * FASTLN_VD_LANES;
-                d[h] -= FASTLN_ISA(load_f64)(shift + at);
-                FASTLN_ISA(store_f64)(sum + at, FASTLN_ISA(load_f64)(sum + at) + d[h]);
-                FASTLN_ISA(store_f64)(sumsq + at, FASTLN_ISA(load_f64)(sumsq + at) + d[h] * d[h]);
+        for (; c + 2 * FASTLN_VF_LANES <= n_features; c += 2 * FASTLN_VF_LANES)
+            FASTLN_NAME(bn_stats_chunk)(rows, n, row_stride, c, 2, shift, sum, sumsq);
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES)
+            FASTLN_NAME(bn_stats_chunk)(rows, n, row_stride, c, 1, shift, sum, sumsq);
+        for (; c < n_features; c++)
+            for (int64_t r = 0; r < n; r++) {
+                const double d = FASTLN_NAME(to_double)(rows[r * row_stride + c]) - shift[c];
+                sum[c] += d;
+                sumsq[c] += d * d;
             }
-        }
-        for (; c < n_features; c++) {
-            const double d = FASTLN_NAME(to_double)(row[c]) - shift[c];
-            sum[c] += d;
-            sumsq[c] += d * d;
-        }
     }
 }
 
