@@ -97,6 +97,14 @@ static inline void fastln_bn_train_constants(const fastln_bn_call *call)
     }
 }
 
+/* A rows-layout float apply's constants per feature (fastln/forward.h, bn_apply_rows_float):
+ * in float (head, tail, scale, offset), and in double (shift, center, scale, offset) for the
+ * elements it computes in double. */
+typedef struct {
+    const float *head, *tail, *scale, *offset;
+    const double *shift, *center, *scale_double, *offset_double;
+} fastln_rows_constants;
+
 /* The float apply's constants (fastln/forward.h, bn_apply_rows_float), once per call from the
  * double ones: the feature's mean shift + center split into a float head and tail (head + tail =
  * the mean to about 2^-48 of itself), scale and offset rounded to float. A feature whose

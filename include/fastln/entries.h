@@ -252,7 +252,12 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
             const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
 #if FASTLN_COMPUTE_F32
             if (call->float_constants) {
-                FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call);
+                const int64_t n = call->n_features;
+                const float *head = call->float_constants;
+                const fastln_rows_constants k = {head, head + n, head + 2 * n, head + 3 * n,
+                                                 call->shift, call->center, call->scale,
+                                                 call->offset};
+                FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, n, &k);
                 continue;
             }
 #endif
@@ -502,15 +507,25 @@ static void FASTLN_NAME(gn_finish_statistics_task)(const void *opaque, int64_t b
         }
         const int64_t n = ng / call->n_groups, first = (ng % call->n_groups) * per_group;
         const double *blocks = call->partials + 3 * C * n * call->n_pieces;
+        /* Each channel's block sums in block order, then the channels' in channel order; the
+         * blocks are read one after the other for up to CHUNK channels at a time (a channel's
+         * sums are 3 * C doubles apart from block to block). */
+        enum { CHUNK = 64 };
         double sum = 0.0, sumsq = 0.0;
-        for (int64_t c = first; c < first + per_group; c++) {
-            double channel_sum = 0.0, channel_sumsq = 0.0;
+        for (int64_t chunk = first; chunk < first + per_group; chunk += CHUNK) {
+            const int64_t width = fastln_min(CHUNK, first + per_group - chunk);
+            double channel_sum[CHUNK] = {0}, channel_sumsq[CHUNK] = {0};
             for (int64_t b = 0; b < call->n_pieces; b++) {
-                channel_sum += blocks[3 * C * b + C + c];
-                channel_sumsq += blocks[3 * C * b + 2 * C + c];
+                const double *block = blocks + 3 * C * b + chunk;
+                for (int64_t k = 0; k < width; k++) {
+                    channel_sum[k] += block[C + k];
+                    channel_sumsq[k] += block[2 * C + k];
+                }
             }
-            sum += channel_sum;
-            sumsq += channel_sumsq;
+            for (int64_t k = 0; k < width; k++) {
+                sum += channel_sum[k];
+                sumsq += channel_sumsq[k];
+            }
         }
         if (!fastln_gn_statistics_from_sums(blocks[first], sum, sumsq, (double)size, call->eps,
                                             &stats)) {
@@ -528,6 +543,10 @@ static void FASTLN_NAME(gn_finish_statistics_task)(const void *opaque, int64_t b
             constants[n_channel_values + c] = channel.mean_shifted;
             constants[2 * n_channel_values + c] = channel.scale;
             constants[3 * n_channel_values + c] = channel.offset;
+#if FASTLN_COMPUTE_F32
+            FASTLN_NAME(gn_float_channel)(&channel, fastln_gn_float_constants(call) + n * C + c,
+                                          n_channel_values);
+#endif
         }
     }
 }
@@ -563,8 +582,17 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
         int64_t n_rows;
         const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
         if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
+#if FASTLN_COMPUTE_F32
+            const float *head = fastln_gn_float_constants(call) + n * C;
+            const fastln_rows_constants k = {head, head + n_channel_values,
+                                             head + 2 * n_channel_values,
+                                             head + 3 * n_channel_values,
+                                             shift, center, scale, offset_c};
+            FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, C, &k);
+#else
             FASTLN_NAME(bn_apply_rows)(x + offset, y + offset, n_rows, C, shift, center, scale,
                                        offset_c);
+#endif
             continue;
         }
         for (int64_t r = 0; r < n_rows; r++)

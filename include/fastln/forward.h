@@ -354,25 +354,25 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
 #if FASTLN_COMPUTE_F32
 /* One element of the float apply: the float result when it is finite, else the double one. */
 FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply_element)(FASTLN_T x, float value,
-                                                     const fastln_bn_call *call, int64_t c)
+                                                     const fastln_rows_constants *k, int64_t c)
 {
     if (isfinite(value)) return FASTLN_NAME(from_compute)(value);
-    return FASTLN_NAME(bn_apply1_double)(x, call->shift[c], call->center[c], call->scale[c],
-                                         call->offset[c]);
+    return FASTLN_NAME(bn_apply1_double)(x, k->shift[c], k->center[c], k->scale_double[c],
+                                         k->offset_double[c]);
 }
 
 /* The rows layout in float for the float32-compute types, as LayerNorm's float write pass:
- * y = ((x - head) - tail) * scale + offset in float with the call's float constants
- * (fastln_bn_float_constants), within a few u32 of the double computation. Each element whose
- * float result is Inf or NaN (every element of a feature whose constants float cannot hold:
- * its scale is NaN) is computed in double instead, from its x (not yet overwritten when y is
- * x): the rule is per element, so a feature's results never depend on its neighbours. */
+ * y = ((x - head) - tail) * scale + offset in float with per-feature float constants
+ * (BatchNorm's fastln_bn_float_constants, GroupNorm's channels-last constants), within a few
+ * u32 of the double computation. Each element whose float result is Inf or NaN (every element
+ * of a feature whose constants float cannot hold: its scale is NaN) is computed in double
+ * instead, from its x (not yet overwritten when y is x): the rule is per element, so a
+ * feature's results never depend on its neighbours. */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_T *y,
-                                                     int64_t n_rows, const fastln_bn_call *call)
+                                                     int64_t n_rows, int64_t n,
+                                                     const fastln_rows_constants *k)
 {
-    const int64_t n = call->n_features;
-    const float *head = call->float_constants, *tail = head + n, *scale = head + 2 * n;
-    const float *offset = head + 3 * n;
+    const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
     for (int64_t r = 0; r < n_rows; r++) {
         const FASTLN_T *row = x + r * n;
         FASTLN_T *out = y + r * n;
@@ -385,7 +385,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
             if (FASTLN_ISA(any_not_finite)(v)) {
                 FASTLN_T lanes[FASTLN_VF_LANES];
                 for (int l = 0; l < FASTLN_VF_LANES; l++)
-                    lanes[l] = FASTLN_NAME(bn_apply_element)(row[c + l], v[l], call, c + l);
+                    lanes[l] = FASTLN_NAME(bn_apply_element)(row[c + l], v[l], k, c + l);
                 memcpy(out + c, lanes, sizeof lanes);
                 continue;
             }
@@ -394,7 +394,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
         for (; c < n; c++) {
             const float v = ((FASTLN_NAME(to_compute)(row[c]) - head[c]) - tail[c]) * scale[c]
                             + offset[c];
-            out[c] = FASTLN_NAME(bn_apply_element)(row[c], v, call, c);
+            out[c] = FASTLN_NAME(bn_apply_element)(row[c], v, k, c);
         }
     }
 }
@@ -486,6 +486,32 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
 }
 #endif
 
+#if FASTLN_COMPUTE_F32
+/* Whether a channel's write pass can go in float: a scale that float holds well. */
+FASTLN_INLINE int FASTLN_NAME(gn_float_scale)(double scale)
+{
+    scale = fabs(scale);
+    return (scale > 1e-30 && scale < 1e30) || scale == 0.0;
+}
+
+/* A channel's float constants as gn_write rounds them (head, tail, scale, offset, `stride`
+ * floats apart); a NaN scale when gn_write would write the channel in double, so that the
+ * float apply of the channels-last layout (bn_apply_rows_float) takes each of its elements in
+ * double. */
+FASTLN_INLINE void FASTLN_NAME(gn_float_channel)(const FASTLN_NAME(gn_channel) *constants,
+                                                 float *head, int64_t stride)
+{
+    const int in_range = FASTLN_NAME(gn_float_scale)(constants->scale);
+    const double mean = constants->shift + constants->mean_shifted;
+    const float mean_head = (float)mean;
+    head[0] = in_range ? mean_head : 0.0f;
+    head[stride] =
+        in_range ? (float)((constants->shift - (double)mean_head) + constants->mean_shifted) : 0.0f;
+    head[2 * stride] = in_range ? (float)constants->scale : NAN;
+    head[3 * stride] = in_range ? (float)constants->offset : 0.0f;
+}
+#endif
+
 /* The write pass over n values of one channel: in float for the float32-compute types whose
  * scale fits a float (as ln_write), else in double. With streaming set (and y aligned), y goes
  * out with non-temporal stores. */
@@ -494,8 +520,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_write)(const FASTLN_T *x, FASTLN_T *y, int64_t
 {
     const int stream_y = streaming && fastln_is_aligned16(y);
 #if FASTLN_COMPUTE_F32
-    const double scale = fabs(constants->scale);
-    if ((scale > 1e-30 && scale < 1e30) || scale == 0.0) {
+    if (FASTLN_NAME(gn_float_scale)(constants->scale)) {
         const double mean = constants->shift + constants->mean_shifted;
         const float mean_head = (float)mean;
         const float mean_tail =

@@ -30,8 +30,9 @@
 #define FASTLN_GN_GROUP_FIELDS 10
 
 /* The doubles per (sample, channel) in channel_scratch: the forward's channels-last write
- * constants (shift, center, scale, offset); the backward's dgamma and dbeta terms and, channels
- * last, the six write constants of fastln_gn_backward_apply_rows. */
+ * constants (shift, center, scale, offset, then the same in float: fastln_gn_float_constants);
+ * the backward's dgamma and dbeta terms and, channels last, the six write constants of
+ * fastln_gn_backward_apply_rows. */
 #define FASTLN_GN_CHANNEL_FIELDS 8
 
 static inline int64_t fastln_gn_group_size(const fastln_gn_call *call)
@@ -73,6 +74,14 @@ static inline int64_t fastln_gn_partials(const fastln_gn_call *call, int backwar
 static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
 {
     return FASTLN_GN_CHANNEL_FIELDS * call->n_samples * call->n_channels;
+}
+
+/* The forward's channels-last float constants (head, tail, scale, offset per (sample,
+ * channel): fastln/forward.h, gn_float_channel), in the channel fields the forward leaves free
+ * after its four double ones. */
+static inline float *fastln_gn_float_constants(const fastln_gn_call *call)
+{
+    return (float *)(call->channel_scratch + 4 * call->n_samples * call->n_channels);
 }
 
 static inline int64_t fastln_gn_group_scratch(const fastln_gn_call *call)
