@@ -1,4 +1,5 @@
-"""The C-level fast paths (row_norm_forward_fast and row_norm_backward_fast in _kernels.pyx).
+"""The C-level fast paths (row_norm_forward_fast, row_norm_backward_fast and
+batch_norm_forward_fast in _kernels.pyx).
 
 Every public call is run twice on fresh copies of the same inputs: as it is, and with the fast
 paths switched off (each returns None, so the general Python path runs). The two must agree bit
@@ -13,15 +14,16 @@ from conftest import DTYPES, assert_bitwise_equal, random_input, random_params
 
 import fastln
 from fastln import _kernels
-from fastln._caches import RowNormCache
+from fastln._caches import BatchNormCache, RowNormCache
 
 FAST_FUNCTIONS = (
     (_kernels, "row_norm_forward_fast"),
     (_kernels, "row_norm_backward_fast"),
+    (_kernels, "batch_norm_forward_fast"),
 )
 N_COLS = 96
 SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))
-CACHE_FIELDS = ("x", "mean", "rstd", "axis", "eps", "_dtype")
+CACHE_FIELDS = ("x", "mean", "rstd", "axis", "eps", "_dtype", "training", "dtype")
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def assert_same_result(a, b, where="result"):
     elif isinstance(a, np.ndarray):
         assert a.flags.c_contiguous == b.flags.c_contiguous, where
         assert_bitwise_equal(a, b, where)
-    elif isinstance(a, RowNormCache):
+    elif isinstance(a, (RowNormCache, BatchNormCache)):
         for field in CACHE_FIELDS:
             if hasattr(type(a), field) or hasattr(a, field):
                 assert_same_result(getattr(a, field), getattr(b, field), f"{where}.{field}")
@@ -715,3 +717,103 @@ def test_hand_built_caches_take_the_fast_path(monkeypatch, dtype):
                 fastln.rms_norm_backward(d["dy"], hand_rms))
     fast, _ = run_both(call, dtype, (5, N_COLS), monkeypatch)
     assert fast.always_fast and len(fast.fast_results) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# BatchNorm's forward
+# --------------------------------------------------------------------------------------------
+
+BN_LAYOUTS = {"rows": ((5, N_COLS), -1), "nchw": ((2, N_COLS, 3, N_COLS), 1)}
+
+
+def _bn_call(dtype, training, with_params, running, momentum, out, keep_cache, axis=None):
+    """batch_norm(_forward) of x in `dtype` (its features N_COLS long), returning the result
+    and the running statistics after the call."""
+    def call(d):
+        x = d["x"].astype(dtype)
+        param_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        params = ((d["gamma"][:N_COLS].astype(param_dtype), d["beta"][:N_COLS].astype(param_dtype))
+                  if with_params else (None, None))
+        stats = (None, None)
+        if running is not None:
+            stats = (d["beta"][:N_COLS].astype(running),
+                     (np.abs(d["gamma"][:N_COLS]) + 0.5).astype(running))
+        kwargs = dict(training=training, momentum=momentum,
+                      axis=BN_LAYOUTS["nchw" if x.ndim == 4 else "rows"][1] if axis is None
+                      else axis)
+        if out:
+            kwargs["out"] = np.full(x.shape, np.nan, x.dtype)
+        function = fastln.batch_norm_forward if keep_cache else fastln.batch_norm
+        result = function(x, *params, *stats, **kwargs)
+        if out:
+            assert (result[0] if keep_cache else result) is kwargs["out"]
+        return result, stats
+    return call
+
+
+def _bn_dtypes():
+    return [np.float32, np.float64] + _half_dtypes()
+
+
+BN_CASES = [(layout, training, with_params, running, momentum)
+            for layout in BN_LAYOUTS for training in (True, False)
+            for with_params in (True, False)
+            for running in ((None, np.float32, np.float64) if training
+                            else (np.float32, np.float64))
+            for momentum in ((0.0, 0.9, 1.0) if training and running is not None else (0.9,))]
+
+
+@pytest.mark.parametrize("keep_cache, out", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", _bn_dtypes())
+@pytest.mark.parametrize("layout, training, with_params, running, momentum", BN_CASES)
+def test_batch_norm_fast_path_is_the_general_path(monkeypatch, layout, training, with_params,
+                                                  running, momentum, dtype, keep_cache, out):
+    """y, the cache and the updated running statistics: the general path's bits."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+    call = _bn_call(dtype, training, with_params, running, momentum, out, keep_cache)
+    fast, _ = run_both(call, np.float64, BN_LAYOUTS[layout][0], monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+
+
+def _bn(d, **kwargs):
+    x = kwargs.pop("x", d["x"])
+    stats = kwargs.pop("stats", (d["beta"].copy(), np.abs(d["gamma"]) + 0.5))
+    return fastln.batch_norm(x, d["gamma"], d["beta"], *stats,
+                             **{"training": True, **kwargs}), stats
+
+
+BN_FALLBACKS = {
+    "fortran-x": lambda d: _bn(d, x=np.asfortranarray(d["x"])),
+    "list-x": lambda d: _bn(d, x=d["x"].tolist()),
+    "int-x": lambda d: _bn(d, x=(d["x"] * 10).astype(np.int64)),
+    "numpy-bool-training": lambda d: _bn(d, training=np.bool_(True)),
+    "numpy-float-momentum": lambda d: _bn(d, momentum=np.float64(0.5)),
+    "int-momentum": lambda d: _bn(d, momentum=1),
+    "numpy-int-axis": lambda d: _bn(d, axis=np.int64(-1)),
+    "float16-running": lambda d: _bn(d, stats=(d["beta"].astype(np.float16),
+                                               np.abs(d["gamma"]).astype(np.float16) + 1)),
+    "strided-running": lambda d: _bn(d, stats=(np.repeat(d["beta"], 2)[::2],
+                                               np.abs(d["gamma"]) + 0.5)),
+    "out-is-x": lambda d: _bn(d, out=d["x"]),
+    "out-overlaps-x": lambda d: _bn(d, x=d["out"], out=d["out"]),
+    "eval-list-running": lambda d: _bn(d, training=False, stats=(d["beta"].tolist(),
+                                                                 (np.abs(d["gamma"]) + 1).tolist())),
+    # errors: the general path's, with its message
+    "running-overlap": lambda d: _bn(d, stats=(d["beta"], d["beta"])),
+    "momentum-above-1": lambda d: _bn(d, momentum=1.5),
+    "momentum-nan": lambda d: _bn(d, momentum=float("nan")),
+    "eval-without-running": lambda d: _bn(d, training=False, stats=()),
+    "running-mean-alone": lambda d: _bn(d, stats=(d["beta"].copy(), None)),
+    "readonly-running": lambda d: _bn(d, stats=(_readonly(d, "beta"), np.abs(d["gamma"]) + 1)),
+    "axis-out-of-range": lambda d: _bn(d, axis=2),
+    "gamma-wrong-length": lambda d: fastln.batch_norm(d["x"], d["gamma"][1:], training=True),
+    "empty-batch": lambda d: _bn(d, x=d["x"][:0]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(BN_FALLBACKS))
+def test_batch_norm_falls_back(monkeypatch, name, dtype):
+    """Unusual calls decline the fast path and get the general path's result or error."""
+    fast, general = run_both(BN_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
+    assert not fast.took_fast_path, fast.fast_results

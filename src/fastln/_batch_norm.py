@@ -164,6 +164,10 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
     >>> running_mean, running_var
     (array([0.2, 2. ]), array([ 1. , 10.9]))
     """
+    result = _kernels.batch_norm_forward_fast(x, gamma, beta, running_mean, running_var,
+                                              training, momentum, eps, axis, out, num_threads)
+    if result is not None:
+        return result[0]
     return _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis,
                     out, num_threads, keep_cache=False)
 
@@ -189,6 +193,11 @@ def batch_norm_forward(x, gamma=None, beta=None, running_mean=None, running_var=
     >>> cache.mean, cache.rstd
     (array([ 2., 20.]), array([1. , 0.1]))
     """
+    result = _kernels.batch_norm_forward_fast(x, gamma, beta, running_mean, running_var,
+                                              training, momentum, eps, axis, out, num_threads)
+    if result is not None:
+        y, mean, rstd, axis = result
+        return y, BatchNormCache(x, mean, rstd, axis, eps, training, x.dtype)
     return _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps, axis,
                     out, num_threads, keep_cache=True)
 

@@ -1020,6 +1020,95 @@ def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rs
     return dx, dgamma, dbeta
 
 
+cdef inline bint _is_running(object value, Py_ssize_t n_features, bint training):
+    """A running statistic the recogniser takes: a 1-D float32 or float64 kernel array of
+    n_features values, writeable in training mode (which updates it)."""
+    if not (_is_param(value, cnp.NPY_FLOAT32, n_features)
+            or _is_param(value, cnp.NPY_FLOAT64, n_features)):
+        return False
+    return not training or cnp.PyArray_ISWRITEABLE(<cnp.ndarray>value)
+
+
+cdef inline object _as_float64(object value):
+    """A float64 copy of a 1-D float32 or float64 kernel array (None stays None), as the
+    general path casts BatchNorm's parameters and evaluation statistics."""
+    if value is None:
+        return None
+    return cnp.PyArray_Cast(<cnp.ndarray>value, cnp.NPY_FLOAT64)
+
+
+cdef void _update_running(cnp.ndarray running, double momentum, cnp.ndarray batch_stat):
+    """running = momentum * running + (1 - momentum) * batch_stat in double, stored in its own
+    dtype: the general path's update_running (fastln/_batch_norm.py), operation for operation."""
+    if momentum == 1.0:
+        return
+    cdef const double *stat = <const double*>cnp.PyArray_DATA(batch_stat)
+    cdef Py_ssize_t c, n = cnp.PyArray_SIZE(running)
+    cdef float *single = <float*>cnp.PyArray_DATA(running)
+    cdef double *double_ = <double*>cnp.PyArray_DATA(running)
+    cdef double weight = 1.0 - momentum
+    cdef bint is_float = cnp.PyArray_TYPE(running) == cnp.NPY_FLOAT32
+    for c in range(n):
+        if is_float:
+            single[c] = <float>(stat[c] if momentum == 0.0
+                                else momentum * <double>single[c] + weight * stat[c])
+        else:
+            double_[c] = (stat[c] if momentum == 0.0
+                          else momentum * double_[c] + weight * stat[c])
+
+
+def batch_norm_forward_fast(object x, object gamma, object beta, object running_mean,
+                            object running_var, object training, object momentum, object eps,
+                            object axis, object out, object num_threads):
+    """(y, mean, rstd, axis) of BatchNorm's forward, the running statistics updated in training
+    mode, when its arguments are kernel-ready (axis the normalized feature axis); None when the
+    call needs the general path (fastln/_batch_norm.py), which holds every rule and message."""
+    cdef _FastRows rows
+    if (not _fast_rows(x, num_threads, &rows) or type(training) is not bool
+            or type(momentum) is not float or not 0.0 <= <double>momentum <= 1.0
+            or not _is_fast_eps(eps) or type(axis) is not int
+            or not -rows.ndim <= axis < rows.ndim):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef Py_ssize_t feature_axis = <Py_ssize_t>axis + (rows.ndim if axis < 0 else 0)
+    if cnp.PyArray_SIZE(x_array) == 0:
+        return None
+    cdef Py_ssize_t n_features = cnp.PyArray_DIM(x_array, feature_axis)
+    cdef Py_ssize_t n_outer = 1, n_inner = 1, d
+    for d in range(feature_axis):
+        n_outer *= cnp.PyArray_DIM(x_array, d)
+    for d in range(feature_axis + 1, rows.ndim):
+        n_inner *= cnp.PyArray_DIM(x_array, d)
+    cdef bint train = training
+    if (not _is_param(gamma, rows.param_typenum, n_features)
+            or not _is_param(beta, rows.param_typenum, n_features)
+            or (running_mean is None) != (running_var is None)
+            or (running_mean is None and not train)):
+        return None
+    if running_mean is not None and (
+            not _is_running(running_mean, n_features, train)
+            or not _is_running(running_var, n_features, train)
+            or _overlaps(running_mean, running_var)):
+        return None
+    if (not _is_fast_out(out, x_array) or _overlaps(out, x) or _overlaps(out, gamma)
+            or _overlaps(out, beta) or _overlaps(out, running_mean)
+            or _overlaps(out, running_var)):
+        return None
+    y = out if out is not None else _new_like(x_array, rows.typenum)
+    cdef cnp.npy_intp shape = n_features
+    mean = cnp.PyArray_ZEROS(1, &shape, cnp.NPY_FLOAT64, 0)
+    var = cnp.PyArray_ZEROS(1, &shape, cnp.NPY_FLOAT64, 0)
+    rstd = cnp.PyArray_ZEROS(1, &shape, cnp.NPY_FLOAT64, 0)
+    batch_norm_forward(x_array, y, n_outer, n_features, n_inner, _as_float64(gamma),
+                       _as_float64(beta), None if train else _as_float64(running_mean),
+                       None if train else _as_float64(running_var), mean, var, rstd, train,
+                       <double>eps, rows.storage, rows.threads)
+    if train and running_mean is not None:
+        _update_running(<cnp.ndarray>running_mean, <double>momentum, mean)
+        _update_running(<cnp.ndarray>running_var, <double>momentum, var)
+    return y, mean, rstd, feature_axis
+
+
 def storage_code(cnp.dtype dtype):
     """The storage type of a kernel dtype: native float16, bfloat16 (ml_dtypes), float32 or
     float64, as the Python layer has checked. Meeting bfloat16 lets the recognisers take it."""
