@@ -597,3 +597,19 @@ def test_torch_drop_in(memory_format):
               torch.randn(4, dtype=torch.float64, requires_grad=True),
               torch.randn(4, dtype=torch.float64, requires_grad=True))
     assert torch.autograd.gradcheck(lambda a, w, b: fastln.torch.group_norm(a, 2, w, b), inputs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_channels_last_groups_do_not_depend_on_a_rare_neighbour(dtype):
+    """A constant group with eps = 0 takes the rare path; its sample's other groups keep the
+    bits they have without it (they are written as every other sample's groups are)."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((2, 5, 6, 64)) + 100).astype(dtype)
+    with_constant = x.copy()
+    with_constant[0, ..., 8:16] = 3.0
+    y = fastln.group_norm(x, 8, channel_axis=-1, eps=0.0)
+    y_constant = fastln.group_norm(with_constant, 8, channel_axis=-1, eps=0.0)
+    others = np.r_[0:8, 16:64]
+    assert_bitwise_equal(y_constant[0][..., others], y[0][..., others])
+    assert_bitwise_equal(y_constant[1], y[1])
+    assert (y_constant[0][..., 8:16] == 0).all()

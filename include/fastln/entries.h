@@ -581,9 +581,11 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
         const double *offset_c = scale + n_channel_values;
         int64_t n_rows;
         const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+#if FASTLN_COMPUTE_F32
+        const float *head = fastln_gn_float_constants(call) + n * C;
+#endif
         if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
 #if FASTLN_COMPUTE_F32
-            const float *head = fastln_gn_float_constants(call) + n * C;
             const fastln_rows_constants k = {head, head + n_channel_values,
                                              head + 2 * n_channel_values,
                                              head + 3 * n_channel_values,
@@ -595,12 +597,21 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
 #endif
             continue;
         }
+        /* A sample with a rare group: its other groups one by one, each as above. */
         for (int64_t r = 0; r < n_rows; r++)
             for (int64_t g = 0; g < call->n_groups; g++) {
                 if (call->rare[n * call->n_groups + g]) continue;
                 const int64_t at = offset + r * C + g * per_group, c = g * per_group;
+#if FASTLN_COMPUTE_F32
+                const fastln_rows_constants k = {
+                    head + c, head + n_channel_values + c, head + 2 * n_channel_values + c,
+                    head + 3 * n_channel_values + c, shift + c, center + c, scale + c,
+                    offset_c + c};
+                FASTLN_NAME(bn_apply_rows_float)(x + at, y + at, 1, per_group, &k);
+#else
                 FASTLN_NAME(bn_apply_rows)(x + at, y + at, 1, per_group, shift + c, center + c,
                                            scale + c, offset_c + c);
+#endif
             }
     }
 }
