@@ -559,6 +559,27 @@ FASTLN_INLINE int FASTLN_NAME(gn_sample_has_rare)(const fastln_gn_call *call, in
     return any;
 }
 
+/* Channels last: channels [first, first + width) of sample n's rows (n_rows rows of width
+ * values, width apart), with their write constants: in float for the float32-compute types
+ * (bn_apply_rows_float), in double for float64. */
+FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, int64_t n,
+                                                  int64_t first, int64_t width, const FASTLN_T *x,
+                                                  FASTLN_T *y, int64_t n_rows)
+{
+    const int64_t n_channel_values = call->n_samples * call->n_channels;
+    const double *shift = call->channel_scratch + n * call->n_channels + first;
+    const double *center = shift + n_channel_values, *scale = center + n_channel_values;
+    const double *offset = scale + n_channel_values;
+#if FASTLN_COMPUTE_F32
+    const float *head = fastln_gn_float_constants(call) + n * call->n_channels + first;
+    const fastln_rows_constants k = {head, head + n_channel_values, head + 2 * n_channel_values,
+                                     head + 3 * n_channel_values, shift, center, scale, offset};
+    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k);
+#else
+    FASTLN_NAME(bn_apply_rows)(x, y, n_rows, width, shift, center, scale, offset);
+#endif
+}
+
 /* Pieces (channels first) or blocks (channels last): the write pass. Channels last, the
  * channels of a rare group are left for FASTLN_GN_FINISH_RARE (which reads x: y may be x). */
 static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_t end)
@@ -567,7 +588,7 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
     const FASTLN_T *x = call->x;
     FASTLN_T *y = call->y;
     const int64_t size = fastln_gn_group_size(call), C = call->n_channels;
-    const int64_t per_group = C / call->n_groups, n_channel_values = call->n_samples * C;
+    const int64_t per_group = C / call->n_groups;
     for (int64_t task = begin; task < end; task++) {
         if (!call->channels_last) {
             const int64_t ng = task / call->n_pieces, p = task % call->n_pieces;
@@ -576,42 +597,19 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
             continue;
         }
         const int64_t n = task / call->n_pieces;
-        const double *shift = call->channel_scratch + n * C;
-        const double *center = shift + n_channel_values, *scale = center + n_channel_values;
-        const double *offset_c = scale + n_channel_values;
         int64_t n_rows;
         const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
-#if FASTLN_COMPUTE_F32
-        const float *head = fastln_gn_float_constants(call) + n * C;
-#endif
         if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
-#if FASTLN_COMPUTE_F32
-            const fastln_rows_constants k = {head, head + n_channel_values,
-                                             head + 2 * n_channel_values,
-                                             head + 3 * n_channel_values,
-                                             shift, center, scale, offset_c};
-            FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, C, &k);
-#else
-            FASTLN_NAME(bn_apply_rows)(x + offset, y + offset, n_rows, C, shift, center, scale,
-                                       offset_c);
-#endif
+            FASTLN_NAME(gn_apply_channels)(call, n, 0, C, x + offset, y + offset, n_rows);
             continue;
         }
         /* A sample with a rare group: its other groups one by one, each as above. */
         for (int64_t r = 0; r < n_rows; r++)
             for (int64_t g = 0; g < call->n_groups; g++) {
                 if (call->rare[n * call->n_groups + g]) continue;
-                const int64_t at = offset + r * C + g * per_group, c = g * per_group;
-#if FASTLN_COMPUTE_F32
-                const fastln_rows_constants k = {
-                    head + c, head + n_channel_values + c, head + 2 * n_channel_values + c,
-                    head + 3 * n_channel_values + c, shift + c, center + c, scale + c,
-                    offset_c + c};
-                FASTLN_NAME(bn_apply_rows_float)(x + at, y + at, 1, per_group, &k);
-#else
-                FASTLN_NAME(bn_apply_rows)(x + at, y + at, 1, per_group, shift + c, center + c,
-                                           scale + c, offset_c + c);
-#endif
+                const int64_t at = offset + r * C + g * per_group;
+                FASTLN_NAME(gn_apply_channels)(call, n, g * per_group, per_group, x + at, y + at,
+                                               1);
             }
     }
 }
