@@ -391,3 +391,111 @@ def test_a_second_derivative_raises_instead_of_being_zero(kind):
             second()
     with pytest.raises(RuntimeError, match="fastln.torch has no double backward"):
         torch.autograd.gradgradcheck(lambda a, b: func(a, (5,), b), (x, w))
+
+
+# --- inference calls read the tensor's memory in place --------------------------------------
+
+def _bits(tensor):
+    """A tensor's bytes as NumPy sees them (bfloat16 through int16)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
+
+
+def _general_layer_norm(x, norm):
+    """What fastln's NumPy API gives for the module's call, on a copy of x's values."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # the parameter type
+    weight = None if norm.weight is None else norm.weight.detach().to(wide)
+    bias = None if getattr(norm, "bias", None) is None else norm.bias.detach().to(wide)
+    values = x.detach().float().numpy() if x.dtype in (torch.float16, torch.bfloat16) \
+        else x.detach().numpy().copy()
+    arrays = [None if p is None else p.numpy() for p in (weight, bias)]
+    if isinstance(norm, torch.nn.RMSNorm):
+        eps = torch.finfo(x.dtype).eps if norm.eps is None else norm.eps
+        y = fastln.rms_norm(values, arrays[0], eps)
+    else:
+        y = fastln.layer_norm(values, arrays[0], arrays[1], norm.eps)
+    return torch.from_numpy(y).to(x.dtype)  # rounded once to x's format, as the kernels do
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 768), (3, 5, 33), (40,), (2, 1, 4096)])
+@pytest.mark.parametrize("kind", ["layer_norm", "layer_norm_plain", "rms_norm"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_inference_calls_give_the_general_paths_bits(dtype, shape, kind, mode):
+    """The in-place read of an inference call: the same bits as fastln's NumPy API on the same
+    values (half precision: the float32 computation rounded once), for modules in every
+    storage type, with and without parameters, and for every thread count."""
+    n = shape[-1]
+    if kind == "rms_norm":
+        norm = ft.RMSNorm(n, dtype=dtype)
+    else:
+        norm = ft.LayerNorm(n, elementwise_affine=kind == "layer_norm", dtype=dtype)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    x = (torch.randn(shape, dtype=torch.float64) * 3 + 1e3).to(dtype)
+    expected = _general_layer_norm(x, norm)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    for threads in (1, 2):
+        norm.num_threads = threads
+        with context:
+            y = norm(x)
+        assert y.dtype == dtype and y.shape == x.shape and y.grad_fn is None
+        assert_bitwise_equal(_bits(y), _bits(expected), f"{threads} threads")
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_inference_calls_do_not_go_through_numpy(monkeypatch, kind):
+    """A contiguous CPU tensor is read where it lies, without fastln's NumPy API (the functional
+    forms too)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general path was taken")
+
+    monkeypatch.setattr(fastln, kind, refuse)
+    x = torch.randn(4, 24)
+    norm = ft.LayerNorm(24) if kind == "layer_norm" else ft.RMSNorm(24)
+    with torch.no_grad():
+        norm(x)
+        getattr(ft, kind)(x, (24,))
+
+
+def _layer_norm_of_values(x, norm):
+    return torch.nn.functional.layer_norm(x.detach().clone().resolve_neg(), (x.shape[-1],),
+                                          norm.weight, norm.bias, norm.eps)
+
+
+@pytest.mark.parametrize("make", ["negative_view", "zero_tensor", "offset_slice", "strided",
+                                  "expanded", "empty_batch", "parameter"])
+def test_inference_calls_on_unusual_tensors(make):
+    """Tensors whose memory does not hold their values as a contiguous row-major block (a lazy
+    negation, a ZeroTensor without memory, strided and expanded views) or that are not plain
+    tensors take the general path and give the right values; a contiguous slice is read at its
+    own offset."""
+    norm = ft.LayerNorm(16)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    base = torch.randn(6, 16)
+    x = {"negative_view": lambda: torch._neg_view(base),
+         "zero_tensor": lambda: torch._efficientzerotensor((3, 16)),
+         "offset_slice": lambda: base[2:5],
+         "strided": lambda: torch.randn(6, 32)[:, ::2],
+         "expanded": lambda: base[:1].expand(4, 16),
+         "empty_batch": lambda: torch.empty(0, 16),
+         "parameter": lambda: torch.nn.Parameter(base.clone(), requires_grad=False)}[make]()
+    with torch.no_grad():
+        y = norm(x)
+        expected = _layer_norm_of_values(x, norm)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_calls_check_the_width_and_threads():
+    """A width that is not the module's and a bad thread count still raise as before."""
+    with torch.no_grad():
+        with pytest.raises((ValueError, RuntimeError)):
+            ft.LayerNorm(8)(torch.randn(2, 9))
+        with pytest.raises(ValueError, match="num_threads"):
+            ft.LayerNorm(8, num_threads=0)(torch.randn(2, 8))

@@ -23,6 +23,7 @@ from cython.parallel cimport prange
 from libc.math cimport INFINITY
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport calloc, free
+from libc.string cimport memset
 
 cimport numpy as cnp
 
@@ -1018,6 +1019,113 @@ def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rs
     _layer_norm_backward(&call, dy, gamma, mean, rstd, dx, dgamma, dbeta, rows.storage,
                          rows.threads)
     return dx, dgamma, dbeta
+
+
+# PyTorch tensors, for fastln.torch's inference calls (row_norm_forward_tensor). A tensor's
+# .numpy() view and torch.from_numpy cost more than a one-row call's arithmetic; these read a
+# tensor's memory by its address instead. register_torch sets them when fastln.torch is imported.
+cdef object _torch_tensor = None  # torch.Tensor: exact instances only, never subclasses
+cdef object _torch_strided = None
+cdef object _torch_bfloat16 = None
+cdef dict _torch_storages = {}    # torch dtype -> its storage type
+cdef object _torch_from_numpy = None
+
+
+def register_torch(object tensor_type, object strided, dict storages, object bfloat16,
+                   object from_numpy):
+    """What row_norm_forward_tensor needs of PyTorch: the tensor class, the strided layout, the
+    storage type of each dtype it reads in place, the bfloat16 dtype (its results are made as
+    int16 and viewed as it) and torch.from_numpy."""
+    global _torch_tensor, _torch_strided, _torch_storages, _torch_bfloat16, _torch_from_numpy
+    _torch_tensor, _torch_strided, _torch_bfloat16 = tensor_type, strided, bfloat16
+    _torch_storages = {dtype: int(storage) for dtype, storage in storages.items()}
+    _torch_from_numpy = from_numpy
+
+
+cdef inline Py_ssize_t _storage_bytes(int storage) noexcept:
+    return 8 if storage == FASTLN_FLOAT64 else 4 if storage == FASTLN_FLOAT32 else 2
+
+
+cdef inline bint _fast_tensor_rows(object x, object num_threads, _FastRows *rows,
+                                   cnp.npy_intp *dims, Py_ssize_t *address):
+    """_fast_rows for a PyTorch tensor: an exact torch.Tensor on the CPU, strided (sparse and
+    MKL-DNN layouts are not), contiguous, without a negative bit (a lazy negation its memory
+    does not hold), of a storage type, with memory (a ZeroTensor has none: address 0) - the
+    tensors whose .numpy() view fastln would read - and a non-empty last axis. dims gets its
+    shape, address its data."""
+    if _torch_tensor is None or type(x) is not _torch_tensor:
+        return False
+    storage = _torch_storages.get(x.dtype)
+    if storage is None or not x.is_cpu or x.layout is not _torch_strided:
+        return False
+    try:
+        # A nested tensor has no shape, and torch.func's wrappers no data pointer: both raise.
+        if x.is_neg() or not x.is_contiguous():
+            return False
+        shape = x.shape
+        address[0] = x.data_ptr()
+    except RuntimeError:
+        return False
+    rows.ndim = len(shape)
+    if rows.ndim == 0 or rows.ndim > cnp.NPY_MAXDIMS or address[0] == 0:
+        return False
+    cdef Py_ssize_t size = 1
+    cdef int axis
+    for axis in range(rows.ndim):
+        dims[axis] = shape[axis]
+        size *= dims[axis]
+    rows.n_cols = dims[rows.ndim - 1]
+    if size == 0:
+        return False
+    rows.n_rows = size // rows.n_cols
+    rows.storage = <int>storage
+    rows.param_typenum = cnp.NPY_FLOAT64 if rows.storage == FASTLN_FLOAT64 else cnp.NPY_FLOAT32
+    # x's NumPy type, for _as_param to know parameters given in x's own format; a bfloat16
+    # result is made as int16 (NumPy has no bfloat16 of its own).
+    rows.typenum = (cnp.NPY_FLOAT16 if rows.storage == FASTLN_FLOAT16
+                    else _bfloat16_typenum if rows.storage == FASTLN_BFLOAT16
+                    else rows.param_typenum)
+    if num_threads is None:
+        rows.threads = min(fastln_get_num_threads(), fastln_thread_cap())
+    elif type(num_threads) is int and 1 <= num_threads <= fastln_thread_cap():
+        rows.threads = <int>num_threads
+    else:
+        return False
+    return True
+
+
+def row_norm_forward_tensor(int op, object x, Py_ssize_t width, object gamma, object beta,
+                            object eps, object num_threads):
+    """y (a tensor) of LayerNorm (op LAYER_NORM) or RMSNorm (RMS_NORM, beta None) of a PyTorch
+    tensor x over its last axis of `width` elements, without a cache, as fastln.torch's
+    inference calls make it: the same entry and the same bits as row_norm_forward_fast on
+    x.numpy(). gamma and beta are NumPy arrays (or None). None when the call needs the general
+    path (which raises for what is wrong, a width that is not x's among it)."""
+    cdef _FastRows rows
+    cdef cnp.npy_intp dims[cnp.NPY_MAXDIMS]
+    cdef Py_ssize_t address = 0
+    memset(&rows, 0, sizeof(rows))  # set by _fast_tensor_rows; zeroed for the compiler's sake
+    if op != FASTLN_LAYER_NORM_FORWARD and (op != FASTLN_RMS_NORM_FORWARD or beta is not None):
+        return None
+    if not _fast_tensor_rows(x, num_threads, &rows, dims, &address) or rows.n_cols != width:
+        return None
+    gamma, beta = _as_param(gamma, &rows), _as_param(beta, &rows)
+    if (not _is_fast_eps(eps) or not _is_param(gamma, rows.param_typenum, rows.n_cols)
+            or not _is_param(beta, rows.param_typenum, rows.n_cols)):
+        return None
+    cdef Py_ssize_t n_bytes = rows.n_rows * rows.n_cols * _storage_bytes(rows.storage)
+    cdef bint bfloat16 = rows.storage == FASTLN_BFLOAT16
+    y = new_output(rows.ndim, dims, cnp.NPY_INT16 if bfloat16 else rows.typenum, n_bytes)
+    cdef fastln_rows_call call
+    _rows_call(&call, <const void*>address, rows.n_rows, rows.n_cols, n_bytes, <double>eps)
+    if op == FASTLN_LAYER_NORM_FORWARD:
+        _layer_norm_forward(&call, gamma, beta, cnp.PyArray_DATA(<cnp.ndarray>y), None, None,
+                            rows.storage, rows.threads)
+    else:
+        _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(<cnp.ndarray>y), None, rows.storage,
+                          rows.threads)
+    result = _torch_from_numpy(y)
+    return result.view(_torch_bfloat16) if bfloat16 else result
 
 
 cdef inline bint _is_running(object value, Py_ssize_t n_features, bint training):

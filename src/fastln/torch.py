@@ -13,13 +13,15 @@ later) and is only imported when asked for::
   ``torch.nn.RMSNorm`` and ``torch.nn.GroupNorm``: same constructor, same parameters, same ``state_dict`` keys
   (``weight``, ``bias``), ``isinstance(m, torch.nn.LayerNorm)`` still holds. Only ``forward``
   differs: it runs fastln's kernels through a ``torch.autograd.Function``.
-- **No copies** for CPU tensors that are contiguous float32, float64 or float16: the tensor's
-  memory is viewed as a NumPy array, and fastln's output array becomes the result tensor
-  (``torch.from_numpy``, no copy). The modules keep NumPy views of their parameters between
-  calls (renewed when a parameter or its storage changes), so a call costs little more than
-  fastln's own (docs/performance.md has the figures).
-  bfloat16 tensors are viewed the same way when ``ml_dtypes`` is installed (else computed via a
-  float32 copy). Non-contiguous tensors are made contiguous first (one explicit copy).
+- **No copies** for CPU tensors that are contiguous float32, float64, float16 or bfloat16:
+  inference calls (``torch.no_grad()``, ``torch.inference_mode()``) normalizing one axis read
+  the tensor's memory where it lies; other calls view it as a NumPy array. fastln's output
+  array becomes the result tensor (``torch.from_numpy``, no copy). The modules keep NumPy views
+  of their parameters between calls (renewed when a parameter or its storage changes), so a
+  call costs little more than fastln's own (docs/performance.md has the figures). bfloat16
+  tensors outside inference calls are viewed the same way when ``ml_dtypes`` is installed
+  (else computed via a float32 copy). Non-contiguous tensors are made contiguous first (one
+  explicit copy), as are lazy negations (``torch._neg_view``).
   Tensors on other devices (CUDA, MPS, ...) and other dtypes go to PyTorch's own functional
   implementation, so a patched model still runs everywhere.
 - **Autograd**: the backward is fastln's (x, gamma and beta gradients in one pass), with the
@@ -57,6 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
     ) from exc
 
 import fastln
+from fastln import _kernels
 
 __all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "group_norm", "layer_norm", "rms_norm",
            "patch", "unpatch"]
@@ -76,6 +79,16 @@ def _bfloat16_numpy_dtype() -> Optional[np.dtype]:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+# The tensors whose memory the kernels read in place for inference calls, without the .numpy()
+# view a call would otherwise cost: each dtype's storage type.
+_kernels.register_torch(torch.Tensor, torch.strided, {
+    torch.float32: _kernels.FLOAT32, torch.float64: _kernels.FLOAT64,
+    torch.float16: _kernels.FLOAT16, torch.bfloat16: _kernels.BFLOAT16,
+}, torch.bfloat16, torch.from_numpy)
+_forward_tensor = _kernels.row_norm_forward_tensor
+_LAYER_NORM, _RMS_NORM = _kernels.LAYER_NORM, _kernels.RMS_NORM
+
+
 def _handles(tensor: torch.Tensor) -> bool:
     """Whether fastln computes this tensor (else PyTorch's own implementation does)."""
     return tensor.is_cpu and tensor.dtype in _HANDLED_DTYPES
@@ -89,16 +102,18 @@ def _to_numpy(tensor: None) -> None: ...
 def _to_numpy(tensor: Optional[torch.Tensor]) -> Optional[np.ndarray]: ...
 def _to_numpy(tensor: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     """A NumPy view of a CPU tensor's memory; a copy only when it is not contiguous (or is
-    bfloat16 without ml_dtypes, which becomes float32)."""
+    bfloat16 without ml_dtypes, which becomes float32), or when its memory does not hold its
+    values (a lazy negation, torch._neg_view; a ZeroTensor, which has none): numpy(force=True)
+    makes those real."""
     if tensor is None:
         return None
     tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
         bfloat16 = _bfloat16_numpy_dtype()
         if bfloat16 is None:
-            return tensor.to(torch.float32).numpy()
-        return tensor.contiguous().view(torch.int16).numpy().view(bfloat16)
-    return tensor.contiguous().numpy()
+            return tensor.to(torch.float32).numpy(force=True)
+        return tensor.resolve_neg().contiguous().view(torch.int16).numpy(force=True).view(bfloat16)
+    return tensor.contiguous().numpy(force=True)
 
 
 def _to_torch(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -162,13 +177,6 @@ def _trailing_shape_is(input: torch.Tensor, shape: tuple) -> bool:
     return tuple(input.shape[-len(shape):]) == tuple(shape)
 
 
-def _input_array(tensor: torch.Tensor) -> np.ndarray:
-    """The input's NumPy view (the common case without detach or a copy)."""
-    if tensor.dtype != torch.bfloat16 and not tensor.requires_grad and tensor.is_contiguous():
-        return tensor.numpy()
-    return _to_numpy(tensor)
-
-
 def _result(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """fastln's output as a tensor of like's dtype, without a copy when the dtypes agree
     (fastln returns x's float dtype for every dtype but bfloat16)."""
@@ -186,15 +194,28 @@ def _normalized_ndim(input: torch.Tensor, normalized_shape: _ShapeLike) -> int:
     return len(shape)
 
 
-def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _needs_grad(input: torch.Tensor, weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor] = None) -> bool:
+    return torch.is_grad_enabled() and (input.requires_grad
+                                        or (weight is not None and weight.requires_grad)
+                                        or (bias is not None and bias.requires_grad))
+
+
+def _view(tensor: torch.Tensor) -> np.ndarray:
+    """_to_numpy inside a Function's forward and backward, where grad mode is off, so that
+    numpy() takes a tensor that requires grad: one call for the common tensor, _to_numpy for
+    the others (numpy() refuses bfloat16, lazy negations and ZeroTensors; a strided view is
+    read as it is)."""
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError):
+        return _to_numpy(tensor)
 
 
 def _dy_array(grad_output: torch.Tensor, input: torch.Tensor, cache: Any) -> Any:
     """grad_output as the NumPy array a fastln backward takes: in the input's dtype, then in the
     cache's (bfloat16 is computed as float32 when ml_dtypes is missing)."""
-    dy = _to_numpy(grad_output if grad_output.dtype == input.dtype
-                   else grad_output.to(input.dtype))
+    dy = _view(grad_output if grad_output.dtype == input.dtype else grad_output.to(input.dtype))
     return dy if dy.dtype == cache.dtype else dy.astype(cache.dtype)
 
 
@@ -223,6 +244,8 @@ def _first_derivative_only(backward: Any) -> Any:
     tensors, so that every later differentiation through the gradients reaches it."""
     @functools.wraps(backward)
     def wrapper(ctx: Any, grad_output: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        if not torch.is_grad_enabled():  # an ordinary backward (no create_graph): nothing to guard
+            return backward(ctx, grad_output)
         with torch.no_grad():
             results = backward(ctx, grad_output)
         sources = [t for t in (grad_output, *ctx.saved_tensors)
@@ -237,6 +260,29 @@ def _first_derivative_only(backward: Any) -> Any:
     return wrapper
 
 
+def _direct_apply(function: type) -> Any:
+    """function.apply without the Python layer of torch.autograd.Function.apply, which costs
+    several microseconds a call (against about 1 for the kernel of a 768-wide row): it binds
+    default arguments for a setup_context, which fastln's Functions do not define, and unwraps
+    torch.func's dead wrappers with a walk over every argument, which _live does for the tensors
+    alone. Calls under a torch.func transform never come here (they take PyTorch's functional
+    forms)."""
+    return super(torch.autograd.Function, function).apply
+
+
+try:
+    _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+except AttributeError:  # pragma: no cover - a torch without torch.func
+    def _unwrap_if_dead(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def _live(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A tensor that escaped a finished torch.func transform as the tensor it wraps (as
+    torch.autograd.Function.apply unwraps it)."""
+    return None if tensor is None else _unwrap_if_dead(tensor)
+
+
 class _LayerNormFunction(torch.autograd.Function):
     """y = layer_norm(x) * weight + bias over the last `n_axes` axes, on fastln's kernels."""
 
@@ -245,7 +291,7 @@ class _LayerNormFunction(torch.autograd.Function):
                 bias: Optional[torch.Tensor], n_axes: int, eps: float,
                 num_threads: Optional[int], arrays: tuple) -> torch.Tensor:
         weight_array, bias_array = arrays
-        y, cache = fastln.layer_norm_forward(_to_numpy(input), weight_array, bias_array, eps,
+        y, cache = fastln.layer_norm_forward(_view(input), weight_array, bias_array, eps,
                                              axis=input.dim() - n_axes, num_threads=num_threads)
         ctx.cache = cache  # refers to input's memory (no copy); mean, rstd: O(rows)
         ctx.num_threads = num_threads
@@ -278,7 +324,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor], n_axes: int,
                 eps: float, num_threads: Optional[int], weight_array: Optional[np.ndarray]
                 ) -> torch.Tensor:
-        y, cache = fastln.rms_norm_forward(_to_numpy(input), weight_array, eps,
+        y, cache = fastln.rms_norm_forward(_view(input), weight_array, eps,
                                            axis=input.dim() - n_axes, num_threads=num_threads)
         ctx.cache = cache
         ctx.num_threads = num_threads
@@ -354,6 +400,11 @@ class _GroupNormFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
+_apply_layer_norm = _direct_apply(_LayerNormFunction)
+_apply_rms_norm = _direct_apply(_RMSNormFunction)
+_apply_group_norm = _direct_apply(_GroupNormFunction)
+
+
 def group_norm(input: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5, *,
                num_threads: Optional[int] = None) -> torch.Tensor:
@@ -370,8 +421,8 @@ def group_norm(input: torch.Tensor, num_groups: int, weight: Optional[torch.Tens
     if (_current_transform_level() is None and _handles(input) and input.dim() >= 2
             and all(p is None or _handles(p) for p in (weight, bias))):
         arrays = (_to_numpy(weight), _to_numpy(bias))
-        return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, num_threads,
-                                        arrays)
+        return _apply_group_norm(_live(input), _live(weight), _live(bias), num_groups, eps,
+                                 num_threads, arrays)
     return F.group_norm(input, num_groups, weight, bias, eps)
 
 
@@ -422,10 +473,16 @@ def _layer_norm(input: torch.Tensor, n_axes: int, weight: Optional[torch.Tensor]
                 num_threads: Optional[int]) -> torch.Tensor:
     """fastln's layer_norm of a checked CPU input; arrays are weight's and bias's views."""
     if not _needs_grad(input, weight, bias):
-        y = fastln.layer_norm(_input_array(input), arrays[0], arrays[1], eps,
+        if n_axes == 1:
+            result = _forward_tensor(_LAYER_NORM, input, input.shape[-1], arrays[0], arrays[1],
+                                     eps, num_threads)
+            if result is not None:
+                return result
+        y = fastln.layer_norm(_to_numpy(input), arrays[0], arrays[1], eps,
                               axis=input.dim() - n_axes, num_threads=num_threads)
         return _result(y, input)
-    return _LayerNormFunction.apply(input, weight, bias, n_axes, eps, num_threads, arrays)
+    return _apply_layer_norm(_live(input), _live(weight), _live(bias), n_axes, eps, num_threads,
+                             arrays)
 
 
 def rms_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
@@ -459,10 +516,15 @@ def _rms_norm(input: torch.Tensor, n_axes: int, weight: Optional[torch.Tensor],
               num_threads: Optional[int]) -> torch.Tensor:
     """fastln's rms_norm of a checked CPU input; weight_array is weight's view."""
     if not _needs_grad(input, weight):
-        y = fastln.rms_norm(_input_array(input), weight_array, eps, axis=input.dim() - n_axes,
+        if n_axes == 1:
+            result = _forward_tensor(_RMS_NORM, input, input.shape[-1], weight_array, None, eps,
+                                     num_threads)
+            if result is not None:
+                return result
+        y = fastln.rms_norm(_to_numpy(input), weight_array, eps, axis=input.dim() - n_axes,
                             num_threads=num_threads)
         return _result(y, input)
-    return _RMSNormFunction.apply(input, weight, n_axes, eps, num_threads, weight_array)
+    return _apply_rms_norm(_live(input), _live(weight), n_axes, eps, num_threads, weight_array)
 
 
 def _shape_list(normalized_shape: _ShapeLike) -> list[int]:
@@ -503,18 +565,17 @@ class LayerNorm(torch.nn.LayerNorm):
         parameters, shape = self._parameters, self.normalized_shape
         # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
         weight, bias = parameters.get("weight"), parameters.get("bias")
-        if not torch.is_grad_enabled() and input.dtype in _NUMPY_DTYPES:
-            # Inference on a float16/32/64 tensor, in as few steps as possible (each costs
-            # against a 1-row call): numpy() itself refuses what fastln cannot read here (other
-            # devices, torch.func's wrappers), which then takes the general path below.
-            try:
-                arrays, x = _module_views(self).get(weight, bias), input.numpy()
-            except (RuntimeError, TypeError):
-                arrays = None
-            if arrays is not None and _trailing_shape_is(input, shape):
-                return torch.from_numpy(fastln.layer_norm(
-                    x, arrays[0], arrays[1], self.eps, axis=input.dim() - len(shape),
-                    num_threads=self.num_threads))
+        if not torch.is_grad_enabled() and len(shape) == 1:
+            # Inference over one axis in as few steps as possible (each costs against a 1-row
+            # call): the recogniser reads the tensor's memory in place, and refuses what it
+            # cannot read (other devices and layouts, torch.func's wrappers), which then takes
+            # the general path below.
+            arrays = (self.__dict__.get("_fastln_views") or _module_views(self)).get(weight, bias)
+            if arrays is not None:
+                result = _forward_tensor(_LAYER_NORM, input, shape[0], arrays[0], arrays[1],
+                                         self.eps, self.num_threads)
+                if result is not None:
+                    return result
         if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
             arrays = _module_views(self).get(weight, bias)
@@ -559,16 +620,14 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight, shape = self._parameters.get("weight"), self.normalized_shape
         eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
-        if not torch.is_grad_enabled() and input.dtype in _NUMPY_DTYPES:
+        if not torch.is_grad_enabled() and len(shape) == 1:
             # Inference in as few steps as possible, as in LayerNorm.forward.
-            try:
-                arrays, x = _module_views(self).get(weight, None), input.numpy()
-            except (RuntimeError, TypeError):
-                arrays = None
-            if arrays is not None and _trailing_shape_is(input, shape):
-                return torch.from_numpy(fastln.rms_norm(
-                    x, arrays[0], eps, axis=input.dim() - len(shape),
-                    num_threads=self.num_threads))
+            arrays = (self.__dict__.get("_fastln_views") or _module_views(self)).get(weight, None)
+            if arrays is not None:
+                result = _forward_tensor(_RMS_NORM, input, shape[0], arrays[0], None, eps,
+                                         self.num_threads)
+                if result is not None:
+                    return result
         if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
             arrays = _module_views(self).get(weight, None)
@@ -618,8 +677,8 @@ class GroupNorm(torch.nn.GroupNorm):
                 and input.shape[1] == self.num_channels):
             arrays = _module_views(self).get(weight, bias)
             if arrays is not None:
-                return _GroupNormFunction.apply(input, weight, bias, self.num_groups, self.eps,
-                                                self.num_threads, arrays)
+                return _apply_group_norm(_live(input), _live(weight), _live(bias),
+                                         self.num_groups, self.eps, self.num_threads, arrays)
         return F.group_norm(input, self.num_groups, weight, bias, self.eps)
 
     def __getstate__(self) -> dict:
