@@ -1303,6 +1303,40 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
 }
 #endif
 
+#if FASTLN_COMPUTE_F32
+/* The segments layout's training dx pass in float: one segment of n_inner values of feature c,
+ * by the rows layout's rule (bn_backward_apply_rows_float) with the feature's constants in every
+ * lane. Evaluation's dx = dy * k stays in double (bn_backward_apply_segment): one product per
+ * element, which the float pass's finiteness test made no faster (docs/performance.md). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_inner,
+    const fastln_bn_call *call, int64_t c)
+{
+    const int64_t n = call->n_features;
+    const float *constants = call->float_constants;
+    const float head = constants[c], tail = constants[n + c], k = constants[2 * n + c];
+    const float mean_dy = constants[3 * n + c], coef = constants[4 * n + c];
+    int64_t l = 0;
+    for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
+        const FASTLN_VF centred = (FASTLN_NAME(load_c)(x + l) - head) - tail;
+        const FASTLN_VF v = k * ((FASTLN_NAME(load_c)(dy + l) - mean_dy) - centred * coef);
+        if (FASTLN_ISA(any_not_finite)(v)) {
+            FASTLN_T lanes[FASTLN_VF_LANES];
+            for (int i = 0; i < FASTLN_VF_LANES; i++)
+                lanes[i] = FASTLN_NAME(bn_backward_element)(dy[l + i], x[l + i], v[i], call, c);
+            memcpy(dx + l, lanes, sizeof lanes);
+            continue;
+        }
+        FASTLN_NAME(store_c)(dx + l, v);
+    }
+    for (; l < n_inner; l++) {
+        const float centred = (FASTLN_NAME(to_compute)(x[l]) - head) - tail;
+        const float v = k * ((FASTLN_NAME(to_compute)(dy[l]) - mean_dy) - centred * coef);
+        dx[l] = FASTLN_NAME(bn_backward_element)(dy[l], x[l], v, call, c);
+    }
+}
+#endif
+
 /* Segments layout, one segment of one feature (training, or evaluation's dx = dy * k). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, FASTLN_T *dx, int64_t n_inner,

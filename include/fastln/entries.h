@@ -245,18 +245,19 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
     const fastln_bn_call *call = opaque;
     const FASTLN_T *x = call->x;
     FASTLN_T *y = call->y;
+#if FASTLN_COMPUTE_F32
+    const int64_t n = call->n_features;
+    const float *head = call->float_constants;
+    const fastln_rows_constants k = {head, head + n, head + 2 * n, head + 3 * n,
+                                     call->shift, call->center, call->scale, call->offset};
+#endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner == 1) {
             const int64_t start = unit * call->rows_per_unit;
             const int64_t offset = start * call->n_features;
             const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
 #if FASTLN_COMPUTE_F32
-            if (call->float_constants) {
-                const int64_t n = call->n_features;
-                const float *head = call->float_constants;
-                const fastln_rows_constants k = {head, head + n, head + 2 * n, head + 3 * n,
-                                                 call->shift, call->center, call->scale,
-                                                 call->offset};
+            if (head) {
                 FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, n, &k);
                 continue;
             }
@@ -265,6 +266,14 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
                                        call->shift, call->center, call->scale, call->offset);
         } else {
             const int64_t c = unit % call->n_features;
+#if FASTLN_COMPUTE_F32
+            if (head) {
+                FASTLN_NAME(bn_apply_segment_float)(x + unit * call->n_inner,
+                                                    y + unit * call->n_inner, call->n_inner, &k,
+                                                    c);
+                continue;
+            }
+#endif
             FASTLN_NAME(bn_apply_segment)(x + unit * call->n_inner, y + unit * call->n_inner,
                                           call->n_inner, call->shift[c], call->center[c],
                                           call->scale[c], call->offset[c]);
@@ -354,6 +363,13 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
                 call->dx_mean, call->correction, call->k, call->mean_dy, call->coef);
         } else {
             const int64_t c = unit % call->n_features, offset = unit * call->n_inner;
+#if FASTLN_COMPUTE_F32
+            if (call->float_constants && call->training) {
+                FASTLN_NAME(bn_backward_apply_segment_float)(dy + offset, x + offset,
+                                                             dx + offset, call->n_inner, call, c);
+                continue;
+            }
+#endif
             FASTLN_NAME(bn_backward_apply_segment)(dy + offset, x + offset, dx + offset,
                                                    call->n_inner, call->training,
                                                    call->dx_mean[c], call->correction[c],

@@ -400,7 +400,36 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
 }
 #endif
 
-/* Segments layout: one segment of n_inner values of one feature. */
+#if FASTLN_COMPUTE_F32
+/* The segments layout in float: one segment of n_inner values of feature c, by the rows
+ * layout's rule (bn_apply_rows_float) with the feature's constants in every lane, so that a
+ * feature's values round alike in both layouts. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment_float)(const FASTLN_T *x, FASTLN_T *y,
+                                                        int64_t n_inner,
+                                                        const fastln_rows_constants *k, int64_t c)
+{
+    const float head = k->head[c], tail = k->tail[c], scale = k->scale[c], offset = k->offset[c];
+    int64_t l = 0;
+    for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
+        FASTLN_VF v = ((FASTLN_NAME(load_c)(x + l) - head) - tail) * scale + offset;
+        if (FASTLN_ISA(any_not_finite)(v)) {
+            FASTLN_T lanes[FASTLN_VF_LANES];
+            for (int i = 0; i < FASTLN_VF_LANES; i++)
+                lanes[i] = FASTLN_NAME(bn_apply_element)(x[l + i], v[i], k, c);
+            memcpy(y + l, lanes, sizeof lanes);
+            continue;
+        }
+        FASTLN_NAME(store_c)(y + l, v);
+    }
+    for (; l < n_inner; l++) {
+        const float v = ((FASTLN_NAME(to_compute)(x[l]) - head) - tail) * scale + offset;
+        y[l] = FASTLN_NAME(bn_apply_element)(x[l], v, k, c);
+    }
+}
+#endif
+
+/* Segments layout: one segment of n_inner values of one feature, in double (float64, and the
+ * float32-compute types without float constants). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment)(const FASTLN_T *x, FASTLN_T *y, int64_t n_inner,
                                                  double shift, double center, double scale,
                                                  double offset)

@@ -492,9 +492,9 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     call.var = <double*>cnp.PyArray_DATA(var)
     call.rstd = <double*>cnp.PyArray_DATA(rstd)
     # shift, center, scale, offset, sum, sumsq, then the rare features' indices (int64, as wide
-    # as a double) and their count, then (rows layout, float32-compute types) the float apply's
-    # four float constants per feature, as wide as two doubles
-    cdef bint float_apply = n_inner == 1 and storage != FASTLN_FLOAT64
+    # as a double) and their count, then (float32-compute types) the float apply's four float
+    # constants per feature, as wide as two doubles
+    cdef bint float_apply = storage != FASTLN_FLOAT64
     cdef double *scratch = <double*>calloc(7 * n_features + 1 + (2 * n_features if float_apply
                                                                    else 0), sizeof(double))
     call.partials = NULL
@@ -548,9 +548,9 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.dgamma_out = cnp.PyArray_DATA(dgamma)
     call.dbeta_out = cnp.PyArray_DATA(dbeta)
     # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, dx_mean, then the rare
-    # features' indices and their count, then (rows layout, float32-compute types) the float dx
-    # pass's five float constants per feature, in the room of three doubles
-    cdef bint float_apply = n_inner == 1 and storage != FASTLN_FLOAT64
+    # features' indices and their count, then (float32-compute types) the float dx pass's five
+    # float constants per feature, in the room of three doubles
+    cdef bint float_apply = storage != FASTLN_FLOAT64
     cdef double *scratch = <double*>calloc(10 * n_features + 1 + (3 * n_features if float_apply
                                                                     else 0), sizeof(double))
     call.partials = <double*>calloc(3 * call.n_blocks * n_features, sizeof(double))
