@@ -1083,38 +1083,84 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
  * Sums of dy, dy * d and d per feature, d = x - mean (in double: mean is the batch mean, not a
  * value of x), then dx feature by feature with the constants of fastln_bn_backward_constants. */
 
-/* Rows layout: adds into the per-feature arrays sum_dy, sum_dy_d and sum_d. */
+/* Rows layout: adds into the per-feature arrays sum_dy, sum_dy_d and sum_d. As the forward's
+ * statistics (bn_stats_rows), the rows go in groups of FASTLN_BN_ROW_GROUP and each chunk of
+ * features keeps its sums in registers over a group; each feature adds its rows in row order,
+ * so the bits are those of adding row after row. Chunks of two float vectors' worth of
+ * features only with AVX-512, whose 32 registers hold their 16 vectors of sums and means. */
+
+/* The sums of n_vectors float vectors' worth of features from c on, over n_rows rows. */
+
+FASTLN_INLINE void FASTLN_NAME(bn_backward_sums_chunk)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
+    int64_t row_stride, int64_t c, const int n_vectors, const double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
+    double *FASTLN_RESTRICT sum_d)
+{
+    FASTLN_VD m[4], s_dy[4], s_dy_d[4], s_d[4];
+    FASTLN_UNROLL
+    for (int k = 0; k < 2 * n_vectors; k++) {
+        const int64_t at = c + k * FASTLN_VD_LANES;
+        m[k] = FASTLN_ISA(load_f64)(mean + at);
+        s_dy[k] = FASTLN_ISA(load_f64)(sum_dy + at);
+        s_dy_d[k] = FASTLN_ISA(load_f64)(sum_dy_d + at);
+        s_d[k] = FASTLN_ISA(load_f64)(sum_d + at);
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        FASTLN_UNROLL
+        for (int j = 0; j < n_vectors; j++) {
+            const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
+            /* the same place in the next group's rows, which this chunk reads next */
+            __builtin_prefetch(dy + at + FASTLN_BN_ROW_GROUP * row_stride, 0, 3);
+            __builtin_prefetch(x + at + FASTLN_BN_ROW_GROUP * row_stride, 0, 3);
+            FASTLN_VD g[2], d[2];
+            FASTLN_NAME(load_wide)(dy + at, &g[0], &g[1]);
+            FASTLN_NAME(load_wide)(x + at, &d[0], &d[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const int k = 2 * j + h;
+                const FASTLN_VD dev = d[h] - m[k];
+                s_dy[k] += g[h];
+                s_dy_d[k] += g[h] * dev;
+                s_d[k] += dev;
+            }
+        }
+    }
+    FASTLN_UNROLL
+    for (int k = 0; k < 2 * n_vectors; k++) {
+        const int64_t at = c + k * FASTLN_VD_LANES;
+        FASTLN_ISA(store_f64)(sum_dy + at, s_dy[k]);
+        FASTLN_ISA(store_f64)(sum_dy_d + at, s_dy_d[k]);
+        FASTLN_ISA(store_f64)(sum_d + at, s_d[k]);
+    }
+}
+
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_rows)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
     int64_t n_features, int64_t row_stride, const double *FASTLN_RESTRICT mean,
     double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
     double *FASTLN_RESTRICT sum_d)
 {
-    for (int64_t r = 0; r < n_rows; r++) {
-        const FASTLN_T *dy_row = dy + r * row_stride;
-        const FASTLN_T *x_row = x + r * row_stride;
+    for (int64_t first = 0; first < n_rows; first += FASTLN_BN_ROW_GROUP) {
+        const int64_t n = fastln_min(FASTLN_BN_ROW_GROUP, n_rows - first);
+        const FASTLN_T *dy_rows = dy + first * row_stride, *x_rows = x + first * row_stride;
         int64_t c = 0;
-        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
-            FASTLN_VD g[2], d[2];
-            FASTLN_NAME(load_wide)(dy_row + c, &g[0], &g[1]);
-            FASTLN_NAME(load_wide)(x_row + c, &d[0], &d[1]);
-            FASTLN_UNROLL
-            for (int h = 0; h < 2; h++) {
-                const int64_t at = c + h * FASTLN_VD_LANES;
-                d[h] -= FASTLN_ISA(load_f64)(mean + at);
-                FASTLN_ISA(store_f64)(sum_dy + at, FASTLN_ISA(load_f64)(sum_dy + at) + g[h]);
-                FASTLN_ISA(store_f64)(sum_dy_d + at,
-                                      FASTLN_ISA(load_f64)(sum_dy_d + at) + g[h] * d[h]);
-                FASTLN_ISA(store_f64)(sum_d + at, FASTLN_ISA(load_f64)(sum_d + at) + d[h]);
+#if defined(__AVX512F__)
+        for (; c + 2 * FASTLN_VF_LANES <= n_features; c += 2 * FASTLN_VF_LANES)
+            FASTLN_NAME(bn_backward_sums_chunk)(dy_rows, x_rows, n, row_stride, c, 2, mean,
+                                                sum_dy, sum_dy_d, sum_d);
+#endif
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES)
+            FASTLN_NAME(bn_backward_sums_chunk)(dy_rows, x_rows, n, row_stride, c, 1, mean,
+                                                sum_dy, sum_dy_d, sum_d);
+        for (; c < n_features; c++)
+            for (int64_t r = 0; r < n; r++) {
+                const double g = FASTLN_NAME(to_double)(dy_rows[r * row_stride + c]);
+                const double d = FASTLN_NAME(to_double)(x_rows[r * row_stride + c]) - mean[c];
+                sum_dy[c] += g;
+                sum_dy_d[c] += g * d;
+                sum_d[c] += d;
             }
-        }
-        for (; c < n_features; c++) {
-            const double g = FASTLN_NAME(to_double)(dy_row[c]);
-            const double d = FASTLN_NAME(to_double)(x_row[c]) - mean[c];
-            sum_dy[c] += g;
-            sum_dy_d[c] += g * d;
-            sum_d[c] += d;
-        }
     }
 }
 
