@@ -1084,9 +1084,9 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
  * value of x), then dx feature by feature with the constants of fastln_bn_backward_constants. */
 
 /* Rows layout: adds into the per-feature arrays sum_dy, sum_dy_d and sum_d. As the forward's
- * statistics (bn_stats_rows), the rows go in groups of FASTLN_BN_ROW_GROUP and each chunk of
- * features keeps its sums in registers over a group; each feature adds its rows in row order,
- * so the bits are those of adding row after row. Chunks of two float vectors' worth of
+ * statistics (bn_stats_rows), the rows go in groups (of FASTLN_BN_BACKWARD_ROW_GROUP) and each
+ * chunk of features keeps its sums in registers over a group; each feature adds its rows in row
+ * order, so the bits are those of adding row after row. Chunks of two float vectors' worth of
  * features only with AVX-512, whose 32 registers hold their 16 vectors of sums and means. */
 
 /* The sums of n_vectors float vectors' worth of features from c on, over n_rows rows. */
@@ -1111,8 +1111,8 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_sums_chunk)(
         for (int j = 0; j < n_vectors; j++) {
             const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
             /* the same place in the next group's rows, which this chunk reads next */
-            __builtin_prefetch(dy + at + FASTLN_BN_ROW_GROUP * row_stride, 0, 3);
-            __builtin_prefetch(x + at + FASTLN_BN_ROW_GROUP * row_stride, 0, 3);
+            __builtin_prefetch(dy + at + FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 3);
+            __builtin_prefetch(x + at + FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 3);
             FASTLN_VD g[2], d[2];
             FASTLN_NAME(load_wide)(dy + at, &g[0], &g[1]);
             FASTLN_NAME(load_wide)(x + at, &d[0], &d[1]);
@@ -1141,8 +1141,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_rows)(
     double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
     double *FASTLN_RESTRICT sum_d)
 {
-    for (int64_t first = 0; first < n_rows; first += FASTLN_BN_ROW_GROUP) {
-        const int64_t n = fastln_min(FASTLN_BN_ROW_GROUP, n_rows - first);
+    for (int64_t first = 0; first < n_rows; first += FASTLN_BN_BACKWARD_ROW_GROUP) {
+        const int64_t n = fastln_min(FASTLN_BN_BACKWARD_ROW_GROUP, n_rows - first);
         const FASTLN_T *dy_rows = dy + first * row_stride, *x_rows = x + first * row_stride;
         int64_t c = 0;
 #if defined(__AVX512F__)
