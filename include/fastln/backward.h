@@ -1090,7 +1090,6 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
  * features only with AVX-512, whose 32 registers hold their 16 vectors of sums and means. */
 
 /* The sums of n_vectors float vectors' worth of features from c on, over n_rows rows. */
-
 FASTLN_INLINE void FASTLN_NAME(bn_backward_sums_chunk)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
     int64_t row_stride, int64_t c, const int n_vectors, const double *FASTLN_RESTRICT mean,

@@ -111,6 +111,17 @@ typedef struct {
     const double *shift, *center, *scale_double, *offset_double;
 } fastln_rows_constants;
 
+/* The float apply's constants of a call whose float_constants are set, as the float passes
+ * take them. */
+static inline fastln_rows_constants fastln_bn_rows_constants(const fastln_bn_call *call)
+{
+    const int64_t n = call->n_features;
+    const float *head = call->float_constants;
+    const fastln_rows_constants k = {head,        head + n,     head + 2 * n, head + 3 * n,
+                                     call->shift, call->center, call->scale,  call->offset};
+    return k;
+}
+
 /* The float apply's constants (fastln/forward.h, bn_apply_rows_float), once per call from the
  * double ones: the feature's mean shift + center split into a float head and tail (head + tail =
  * the mean to about 2^-48 of itself), scale and offset rounded to float. A feature whose

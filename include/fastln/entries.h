@@ -246,10 +246,9 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
     const FASTLN_T *x = call->x;
     FASTLN_T *y = call->y;
 #if FASTLN_COMPUTE_F32
-    const int64_t n = call->n_features;
     const float *head = call->float_constants;
-    const fastln_rows_constants k = {head, head + n, head + 2 * n, head + 3 * n,
-                                     call->shift, call->center, call->scale, call->offset};
+    const fastln_rows_constants k =
+        head ? fastln_bn_rows_constants(call) : (fastln_rows_constants){0};
 #endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner == 1) {
@@ -258,7 +257,8 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
             const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
 #if FASTLN_COMPUTE_F32
             if (head) {
-                FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, n, &k);
+                FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call->n_features,
+                                                 &k);
                 continue;
             }
 #endif

@@ -106,10 +106,10 @@ typedef struct {
     double *sum_dy, *sum_dy_d, *sum_d, *dgamma, *correction, *k, *mean_dy, *coef;
     double *dx_mean; /* the dx pass's mean: the cache's, 0 for the features the rare path
                      * finishes (so that x - dx_mean cannot overflow while dy is copied) */
-    float *float_constants; /* float32-compute types (else NULL): the float
-                             * passes' per-feature constants, arrays of n_features: forward
-                             * head, tail, scale, offset (fastln_bn_float_constants), backward
-                             * head, tail, k, mean_dy, coef (fastln_bn_backward_float_constants) */
+    float *float_constants; /* float32-compute types (else NULL): the float passes'
+                             * per-feature constants, arrays of n_features: forward head,
+                             * tail, scale, offset (fastln_bn_float_constants), backward head,
+                             * tail, k, mean_dy, coef (fastln_bn_backward_float_constants) */
     double *partials;
     int64_t *finish, *n_finish;
 } fastln_bn_call;
