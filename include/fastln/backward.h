@@ -1292,6 +1292,24 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_backward_element)(FASTLN_T dy, FASTLN_T x,
                                             call->coef[c]);
 }
 
+/* Stores the float dx pass's vector v of VF_LANES elements at dx, or, when a lane is not
+ * finite, each element by bn_backward_element from its dy and x; lane l is feature
+ * c + l * feature_step (1 in the rows layout, 0 in a segment). */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_store_float)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                        FASTLN_T *dx, FASTLN_VF v,
+                                                        const fastln_bn_call *call, int64_t c,
+                                                        int64_t feature_step)
+{
+    if (!FASTLN_ISA(any_not_finite)(v)) {
+        FASTLN_NAME(store_c)(dx, v);
+        return;
+    }
+    FASTLN_T lanes[FASTLN_VF_LANES];
+    for (int l = 0; l < FASTLN_VF_LANES; l++)
+        lanes[l] = FASTLN_NAME(bn_backward_element)(dy[l], x[l], v[l], call, c + l * feature_step);
+    memcpy(dx, lanes, sizeof lanes);
+}
+
 /* The rows layout's dx pass in float for the float32-compute types (the forward's rule,
  * bn_apply_rows_float): dx = k * ((dy - mean_dy) - ((x - head) - tail) * coef) in training,
  * dy * k in evaluation, with the call's float constants
@@ -1323,15 +1341,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
             } else {
                 v = g * FASTLN_ISA(load_f32)(k + c);
             }
-            if (FASTLN_ISA(any_not_finite)(v)) {
-                FASTLN_T lanes[FASTLN_VF_LANES];
-                for (int l = 0; l < FASTLN_VF_LANES; l++)
-                    lanes[l] = FASTLN_NAME(bn_backward_element)(dy_row[c + l], x_row[c + l], v[l],
-                                                                call, c + l);
-                memcpy(dx_row + c, lanes, sizeof lanes);
-                continue;
-            }
-            FASTLN_NAME(store_c)(dx_row + c, v);
+            FASTLN_NAME(bn_backward_store_float)(dy_row + c, x_row + c, dx_row + c, v, call, c, 1);
         }
         for (; c < n; c++) {
             const float g = FASTLN_NAME(to_compute)(dy_row[c]);
@@ -1365,14 +1375,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment_float)(
     for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
         const FASTLN_VF centred = (FASTLN_NAME(load_c)(x + l) - head) - tail;
         const FASTLN_VF v = k * ((FASTLN_NAME(load_c)(dy + l) - mean_dy) - centred * coef);
-        if (FASTLN_ISA(any_not_finite)(v)) {
-            FASTLN_T lanes[FASTLN_VF_LANES];
-            for (int i = 0; i < FASTLN_VF_LANES; i++)
-                lanes[i] = FASTLN_NAME(bn_backward_element)(dy[l + i], x[l + i], v[i], call, c);
-            memcpy(dx + l, lanes, sizeof lanes);
-            continue;
-        }
-        FASTLN_NAME(store_c)(dx + l, v);
+        FASTLN_NAME(bn_backward_store_float)(dy + l, x + l, dx + l, v, call, c, 0);
     }
     for (; l < n_inner; l++) {
         const float centred = (FASTLN_NAME(to_compute)(x[l]) - head) - tail;

@@ -364,7 +364,7 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
         } else {
             const int64_t c = unit % call->n_features, offset = unit * call->n_inner;
 #if FASTLN_COMPUTE_F32
-            if (call->float_constants && call->training) {
+            if (call->float_constants) { /* set in the segments layout when training */
                 FASTLN_NAME(bn_backward_apply_segment_float)(dy + offset, x + offset,
                                                              dx + offset, call->n_inner, call, c);
                 continue;

@@ -361,6 +361,23 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply_element)(FASTLN_T x, float value,
                                          k->offset_double[c]);
 }
 
+/* Stores the float apply's vector v of x's VF_LANES elements at y, or, when a lane is not
+ * finite, each element by bn_apply_element; lane l is feature c + l * feature_step (1 in the
+ * rows layout, 0 in a segment). */
+FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, FASTLN_VF v,
+                                               const fastln_rows_constants *k, int64_t c,
+                                               int64_t feature_step)
+{
+    if (!FASTLN_ISA(any_not_finite)(v)) {
+        FASTLN_NAME(store_c)(y, v);
+        return;
+    }
+    FASTLN_T lanes[FASTLN_VF_LANES];
+    for (int l = 0; l < FASTLN_VF_LANES; l++)
+        lanes[l] = FASTLN_NAME(bn_apply_element)(x[l], v[l], k, c + l * feature_step);
+    memcpy(y, lanes, sizeof lanes);
+}
+
 /* The rows layout in float for the float32-compute types, as LayerNorm's float write pass:
  * y = ((x - head) - tail) * scale + offset in float with per-feature float constants
  * (BatchNorm's fastln_bn_float_constants, GroupNorm's channels-last constants), within a few
@@ -378,18 +395,12 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
         FASTLN_T *out = y + r * n;
         int64_t c = 0;
         for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
-            FASTLN_VF v = ((FASTLN_NAME(load_c)(row + c) - FASTLN_ISA(load_f32)(head + c))
-                           - FASTLN_ISA(load_f32)(tail + c))
-                              * FASTLN_ISA(load_f32)(scale + c)
-                          + FASTLN_ISA(load_f32)(offset + c);
-            if (FASTLN_ISA(any_not_finite)(v)) {
-                FASTLN_T lanes[FASTLN_VF_LANES];
-                for (int l = 0; l < FASTLN_VF_LANES; l++)
-                    lanes[l] = FASTLN_NAME(bn_apply_element)(row[c + l], v[l], k, c + l);
-                memcpy(out + c, lanes, sizeof lanes);
-                continue;
-            }
-            FASTLN_NAME(store_c)(out + c, v);
+            const FASTLN_VF v =
+                ((FASTLN_NAME(load_c)(row + c) - FASTLN_ISA(load_f32)(head + c))
+                 - FASTLN_ISA(load_f32)(tail + c))
+                    * FASTLN_ISA(load_f32)(scale + c)
+                + FASTLN_ISA(load_f32)(offset + c);
+            FASTLN_NAME(bn_store_float)(row + c, out + c, v, k, c, 1);
         }
         for (; c < n; c++) {
             const float v = ((FASTLN_NAME(to_compute)(row[c]) - head[c]) - tail[c]) * scale[c]
@@ -411,15 +422,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment_float)(const FASTLN_T *x, FAST
     const float head = k->head[c], tail = k->tail[c], scale = k->scale[c], offset = k->offset[c];
     int64_t l = 0;
     for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
-        FASTLN_VF v = ((FASTLN_NAME(load_c)(x + l) - head) - tail) * scale + offset;
-        if (FASTLN_ISA(any_not_finite)(v)) {
-            FASTLN_T lanes[FASTLN_VF_LANES];
-            for (int i = 0; i < FASTLN_VF_LANES; i++)
-                lanes[i] = FASTLN_NAME(bn_apply_element)(x[l + i], v[i], k, c);
-            memcpy(y + l, lanes, sizeof lanes);
-            continue;
-        }
-        FASTLN_NAME(store_c)(y + l, v);
+        const FASTLN_VF v = ((FASTLN_NAME(load_c)(x + l) - head) - tail) * scale + offset;
+        FASTLN_NAME(bn_store_float)(x + l, y + l, v, k, c, 0);
     }
     for (; l < n_inner; l++) {
         const float v = ((FASTLN_NAME(to_compute)(x[l]) - head) - tail) * scale + offset;

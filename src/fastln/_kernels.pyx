@@ -548,9 +548,10 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.dgamma_out = cnp.PyArray_DATA(dgamma)
     call.dbeta_out = cnp.PyArray_DATA(dbeta)
     # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, dx_mean, then the rare
-    # features' indices and their count, then (float32-compute types) the float dx pass's five
-    # float constants per feature, in the room of three doubles
-    cdef bint float_apply = storage != FASTLN_FLOAT64
+    # features' indices and their count, then (float32-compute types; in the segments layout
+    # training only, evaluation's dx = dy * k being written in double there) the float dx
+    # pass's five float constants per feature, in the room of three doubles
+    cdef bint float_apply = storage != FASTLN_FLOAT64 and (n_inner == 1 or training)
     cdef double *scratch = <double*>calloc(10 * n_features + 1 + (3 * n_features if float_apply
                                                                     else 0), sizeof(double))
     call.partials = <double*>calloc(3 * call.n_blocks * n_features, sizeof(double))
