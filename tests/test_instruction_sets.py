@@ -1,10 +1,11 @@
 """Every instruction-set variant of the kernels gives the same bits.
 
-The kernels are compiled for AVX-512, AVX2 + F16C and the x86-64 baseline (fastln/isa.h) and the
-best one the CPU runs is used; each variant works in its native vector width, but does the same
-operations in the same order (no fused multiply-adds, the same slot order for every sum). Here
-every variant this CPU runs is held to the baseline, bit for bit, over the operations, the four
-storage types, odd widths and the value families the kernels treat apart.
+The kernels are compiled for AVX-512 (and AVX-512 with BF16, for bfloat16), AVX2 + F16C and the
+x86-64 baseline (fastln/isa.h) and the best one the CPU runs is used; each variant works in its
+native vector width, but does the same operations in the same order (no fused multiply-adds,
+the same slot order for every sum). Here every variant this CPU runs is held to the baseline,
+bit for bit, over the operations, the four storage types, odd widths and the value families the
+kernels treat apart.
 """
 import numpy as np
 import pytest

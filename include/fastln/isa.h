@@ -1,8 +1,9 @@
 /* One instruction-set variant of the kernels: the vector layer for the current target, then
- * every kernel template for every storage type. fastln/kernels.h includes this file once per
- * variant, inside a `#pragma GCC target` region, with FASTLN_ISA_SUFFIX set (_v4, _v3, _base);
- * the target's macros (__AVX512F__, __AVX2__, __F16C__) choose the native vector width and the
- * conversion instructions below. No include guard on purpose.
+ * every kernel template for every storage type (bfloat16 alone when FASTLN_ISA_BFLOAT16_ONLY).
+ * fastln/kernels.h includes this file once per variant, inside a `#pragma GCC target` region,
+ * with FASTLN_ISA_SUFFIX set (_v4bf16, _v4, _v3, _base); the target's macros (__AVX512F__,
+ * __AVX512BF16__, __AVX2__, __F16C__) choose the native vector width and the conversion
+ * instructions below. No include guard on purpose.
  *
  * The arithmetic is the same in every variant, operation for operation (no fused multiply-adds:
  * -ffp-contract=off), and every sum keeps its slot order (fastln/simd.h): the variants give the
@@ -196,14 +197,39 @@ FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_bfloat16)(const uint16_t *p)
 #endif
 }
 
-FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
+/* store_bfloat16's rounding in integer arithmetic: each lane's bfloat16 in its low half. */
+FASTLN_INLINE FASTLN_VU32 FASTLN_ISA(bfloat16_bits)(FASTLN_VF v)
 {
     FASTLN_VU32 bits;
     memcpy(&bits, &v, sizeof bits);
     const FASTLN_VU32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     const FASTLN_VU32 nan = ((bits >> 16) & 0x8000u) | 0x7fc0u;
     const FASTLN_VU32 is_nan = (FASTLN_VU32)((bits & 0x7fffffffu) > 0x7f800000u);
-    const FASTLN_VU32 result = (nan & is_nan) | (rounded & ~is_nan);
+    return (nan & is_nan) | (rounded & ~is_nan);
+}
+
+#if defined(__AVX512BF16__)
+/* The rare vectors of store_bfloat16, out of line to keep them out of the loops that store. */
+static __attribute__((noinline)) __m256i FASTLN_ISA(bfloat16_rare)(FASTLN_VF v)
+{
+    return _mm512_cvtepi32_epi16((__m512i)FASTLN_ISA(bfloat16_bits)(v));
+}
+#endif
+
+FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
+{
+#if defined(__AVX512BF16__)
+    /* vcvtneps2bf16 rounds to nearest even in one instruction, but it flushes subnormals to
+     * zero and keeps a NaN's payload: vectors with either (fpclass: NaN or subnormal) are
+     * rounded in integer arithmetic. */
+    __m256i rounded;
+    if (__builtin_expect(_mm512_fpclass_ps_mask((__m512)v, 0x01 | 0x20 | 0x80) != 0, 0))
+        rounded = FASTLN_ISA(bfloat16_rare)(v);
+    else
+        rounded = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+    _mm256_storeu_si256((__m256i *)p, rounded);
+#else
+    const FASTLN_VU32 result = FASTLN_ISA(bfloat16_bits)(v);
     /* Each lane holds a value below 2^16: keep its low half. Written lane by lane, GCC stores
      * the vector one element at a time in some loops; the narrowing instructions say it once. */
 #if defined(__AVX512F__)
@@ -217,6 +243,7 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
     _mm_storel_epi64((__m128i *)p, _mm_packs_epi32(low, low));
 #else
     for (int k = 0; k < FASTLN_VF_LANES; k++) p[k] = (uint16_t)result[k];
+#endif
 #endif
 }
 
@@ -235,18 +262,22 @@ FASTLN_INLINE void FASTLN_ISA(stream_bytes)(void *p, const void *v, size_t n_byt
     memcpy((char *)p + done, (const char *)v + done, n_bytes - done);
 }
 
+#if !FASTLN_ISA_BFLOAT16_ONLY
 #define FASTLN_STORAGE FASTLN_FLOAT16
 #include "fastln/storage.h"
 #undef FASTLN_STORAGE
+#endif
 #define FASTLN_STORAGE FASTLN_BFLOAT16
 #include "fastln/storage.h"
 #undef FASTLN_STORAGE
+#if !FASTLN_ISA_BFLOAT16_ONLY
 #define FASTLN_STORAGE FASTLN_FLOAT32
 #include "fastln/storage.h"
 #undef FASTLN_STORAGE
 #define FASTLN_STORAGE FASTLN_FLOAT64
 #include "fastln/storage.h"
 #undef FASTLN_STORAGE
+#endif
 
 #undef FASTLN_ISA
 #undef FASTLN_VF

@@ -30,7 +30,13 @@
 #define FASTLN_N_STORAGES 4
 
 /* Instruction-set variants. */
-enum { FASTLN_ISA_BASE = 0, FASTLN_ISA_AVX2 = 1, FASTLN_ISA_AVX512 = 2, FASTLN_N_ISAS = 3 };
+enum {
+    FASTLN_ISA_BASE = 0,
+    FASTLN_ISA_AVX2 = 1,
+    FASTLN_ISA_AVX512 = 2,
+    FASTLN_ISA_AVX512_BF16 = 3, /* AVX-512's kernels, with AVX512_BF16's rounding for bfloat16 */
+    FASTLN_N_ISAS = 4
+};
 
 /* Tasks: the phases of every operation, in the order each operation runs them. */
 enum {
@@ -255,6 +261,17 @@ FASTLN_INLINE void fastln_flush_accumulators(float *FASTLN_RESTRICT accumulators
 /* ---- the instruction-set variants ---------------------------------------------------------- */
 
 #if FASTLN_X86_VARIANTS
+/* Only the bfloat16 kernels differ with AVX512_BF16 (its rounding instruction, in
+ * fastln/isa.h's store_bfloat16); the variant's other storage types are AVX-512's. */
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4,avx512bf16")
+#define FASTLN_ISA_SUFFIX _v4bf16
+#define FASTLN_ISA_BFLOAT16_ONLY 1
+#include "fastln/isa.h"
+#undef FASTLN_ISA_BFLOAT16_ONLY
+#undef FASTLN_ISA_SUFFIX
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 #define FASTLN_ISA_SUFFIX _v4
@@ -282,6 +299,8 @@ static const fastln_task *const fastln_tasks_base[FASTLN_N_STORAGES] = FASTLN_ST
 #if FASTLN_X86_VARIANTS
 static const fastln_task *const fastln_tasks_v3[FASTLN_N_STORAGES] = FASTLN_STORAGE_ROWS(_v3);
 static const fastln_task *const fastln_tasks_v4[FASTLN_N_STORAGES] = FASTLN_STORAGE_ROWS(_v4);
+static const fastln_task *const fastln_tasks_v4bf16[FASTLN_N_STORAGES] = {
+    fastln_tasks_f16_v4, fastln_tasks_bf16_v4bf16, fastln_tasks_f32_v4, fastln_tasks_f64_v4};
 #endif
 
 /* The best variant this CPU runs. */
@@ -289,7 +308,8 @@ static inline int fastln_cpu_isa(void)
 {
 #if FASTLN_X86_VARIANTS
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return FASTLN_ISA_AVX512;
+    if (__builtin_cpu_supports("x86-64-v4"))
+        return __builtin_cpu_supports("avx512bf16") ? FASTLN_ISA_AVX512_BF16 : FASTLN_ISA_AVX512;
     if (__builtin_cpu_supports("x86-64-v3")) return FASTLN_ISA_AVX2;
 #endif
     return FASTLN_ISA_BASE;
@@ -300,6 +320,7 @@ static inline int fastln_cpu_isa(void)
 static inline fastln_task fastln_task_for(int isa, int storage, int task)
 {
 #if FASTLN_X86_VARIANTS
+    if (isa == FASTLN_ISA_AVX512_BF16) return fastln_tasks_v4bf16[storage][task];
     if (isa == FASTLN_ISA_AVX512) return fastln_tasks_v4[storage][task];
     if (isa == FASTLN_ISA_AVX2) return fastln_tasks_v3[storage][task];
 #endif
