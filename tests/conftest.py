@@ -180,6 +180,21 @@ def assert_output_array(y, shape, dtype):
     assert y.flags.writeable
 
 
+def numeric_gradient(f, value, h=1e-6):
+    """Central differences of the scalar f() in each element of value (changed in place and
+    restored)."""
+    grad = np.zeros_like(value)
+    for index in np.ndindex(value.shape):
+        saved = value[index]
+        value[index] = saved + h
+        up = f()
+        value[index] = saved - h
+        down = f()
+        value[index] = saved
+        grad[index] = (up - down) / (2 * h)
+    return grad
+
+
 def random_params(rng, shape, dtype):
     """gamma and beta of `shape` that are far from ones/zeros, so that mixing them up shows."""
     gamma = (0.5 + rng.random(shape)) * rng.choice([-1.0, 1.0], size=shape)

@@ -12,6 +12,7 @@ from conftest import (
     assert_close,
     assert_output_array,
     make_layout,
+    numeric_gradient,
     random_input,
     random_params,
 )
@@ -198,19 +199,6 @@ def test_empty_batch():
 # Gradients through the cache (float64 finite differences)
 # ---------------------------------------------------------------------------------------------
 
-def _numeric_gradient(f, value, h=1e-6):
-    grad = np.zeros_like(value)
-    for index in np.ndindex(value.shape):
-        saved = value[index]
-        value[index] = saved + h
-        up = f()
-        value[index] = saved - h
-        down = f()
-        value[index] = saved
-        grad[index] = (up - down) / (2 * h)
-    return grad
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_through_the_cache(rng, kind):
     """dx = dresidual = ds from the plain backward, dbias = sum of ds over the batch axes."""
@@ -225,10 +213,10 @@ def test_gradients_through_the_cache(rng, kind):
 
     _, _, cache = _add_forward(fastln, kind, x, residual, gamma, beta, bias, axis=axis, eps=1e-3)
     ds, dgamma = _backward(kind, weights, cache, gamma)
-    assert_close(ds, _numeric_gradient(loss, x), rtol=1e-6, atol=1e-7)
-    assert_close(ds, _numeric_gradient(loss, residual), rtol=1e-6, atol=1e-7)
-    assert_close(ds.sum(axis=0), _numeric_gradient(loss, bias), rtol=1e-6, atol=1e-7)
-    assert_close(dgamma, _numeric_gradient(loss, gamma), rtol=1e-6, atol=1e-7)
+    assert_close(ds, numeric_gradient(loss, x), rtol=1e-6, atol=1e-7)
+    assert_close(ds, numeric_gradient(loss, residual), rtol=1e-6, atol=1e-7)
+    assert_close(ds.sum(axis=0), numeric_gradient(loss, bias), rtol=1e-6, atol=1e-7)
+    assert_close(dgamma, numeric_gradient(loss, gamma), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from conftest import (
     assert_close,
     assert_output_array,
     make_layout,
+    numeric_gradient,
     random_input,
     random_params,
 )
@@ -266,19 +267,6 @@ def test_empty_inputs():
 # Gradients by finite differences (float64)
 # ---------------------------------------------------------------------------------------------
 
-def _numeric_gradient(f, value, h=1e-6):
-    grad = np.zeros_like(value)
-    for index in np.ndindex(value.shape):
-        saved = value[index]
-        value[index] = saved + h
-        up = f()
-        value[index] = saved - h
-        down = f()
-        value[index] = saved
-        grad[index] = (up - down) / (2 * h)
-    return grad
-
-
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("shape, axis", [((6, 3), -1), ((2, 3, 4), 1), ((3, 2, 2), 0)])
 def test_gradients_match_finite_differences(rng, shape, axis, training):
@@ -296,9 +284,9 @@ def test_gradients_match_finite_differences(rng, shape, axis, training):
     _, cache = fastln.batch_norm_forward(x, gamma, beta, running_mean.copy(), running_var.copy(),
                                          training=training, eps=1e-3, axis=axis)
     dx, dgamma, dbeta = fastln.batch_norm_backward(weights, cache, gamma)
-    assert_close(dx, _numeric_gradient(loss, x), rtol=1e-6, atol=1e-7)
-    assert_close(dgamma, _numeric_gradient(loss, gamma), rtol=1e-6, atol=1e-7)
-    assert_close(dbeta, _numeric_gradient(loss, beta), rtol=1e-6, atol=1e-7)
+    assert_close(dx, numeric_gradient(loss, x), rtol=1e-6, atol=1e-7)
+    assert_close(dgamma, numeric_gradient(loss, gamma), rtol=1e-6, atol=1e-7)
+    assert_close(dbeta, numeric_gradient(loss, beta), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from conftest import (
     assert_close,
     assert_output_array,
     make_layout,
+    numeric_gradient,
     onnx_node_cases,
     random_input,
     random_params,
@@ -195,19 +196,6 @@ def test_property_scale_invariance(data):
 # Gradients by finite differences (float64)
 # ---------------------------------------------------------------------------------------------
 
-def _numeric_gradient(f, value, h=1e-6):
-    grad = np.zeros_like(value)
-    for index in np.ndindex(value.shape):
-        saved = value[index]
-        value[index] = saved + h
-        up = f()
-        value[index] = saved - h
-        down = f()
-        value[index] = saved
-        grad[index] = (up - down) / (2 * h)
-    return grad
-
-
 @pytest.mark.parametrize("shape, axis", [((3, 7), -1), ((2, 3, 4), 1), ((4,), 0)])
 def test_gradients_match_finite_differences(rng, shape, axis):
     x = rng.standard_normal(shape)
@@ -219,8 +207,8 @@ def test_gradients_match_finite_differences(rng, shape, axis):
 
     _, cache = fastln.rms_norm_forward(x, gamma, 1e-3, axis=axis)
     dx, dgamma = fastln.rms_norm_backward(weights, cache, gamma)
-    assert_close(dx, _numeric_gradient(loss, x), rtol=1e-6, atol=1e-7)
-    assert_close(dgamma, _numeric_gradient(loss, gamma), rtol=1e-6, atol=1e-7)
+    assert_close(dx, numeric_gradient(loss, x), rtol=1e-6, atol=1e-7)
+    assert_close(dgamma, numeric_gradient(loss, gamma), rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
