@@ -1,8 +1,8 @@
 /* Forward write passes and row kernels (LayerNorm, RMSNorm, residual add + norm) for one storage
  * type (fastln/storage.h). No include guard on purpose.
  *
- * The write passes are elementwise: they go cache line by cache line (FASTLN_STEP elements, one
- * prefetch of the next row's line each), and do the elements after the last whole step one at a
+ * The write passes are elementwise: they go cache line by cache line (FASTLN_STEP elements, and
+ * for the rows of prefetch_next_row one prefetch of the next row's line each), and do the elements after the last whole step one at a
  * time with each lane's arithmetic, which rounds exactly as the vector lanes do. y may be x
  * itself (in place): each element is read before it is written. */
 
@@ -12,6 +12,15 @@ FASTLN_INLINE void FASTLN_NAME(prefetch_step)(const FASTLN_T *p)
 {
     FASTLN_UNROLL
     for (int64_t k = 0; k < FASTLN_STEP; k += FASTLN_LINE) __builtin_prefetch(p + k, 0, 3);
+}
+
+/* Whether the forward's write pass over a row of n elements prefetches the next row: only for
+ * rows from memory (y streams) of at most FASTLN_PREFETCH_ROW_BYTES. Rows in cache came faster
+ * without it, and so did longer rows, whose successor does not fit L1 beside them
+ * (docs/performance.md, "The forward's prefetch"). */
+FASTLN_INLINE int FASTLN_NAME(prefetch_next_row)(int64_t n, int streaming)
+{
+    return streaming && n * (int64_t)sizeof(FASTLN_T) <= FASTLN_PREFETCH_ROW_BYTES;
 }
 
 /* ---- LayerNorm -------------------------------------------------------------------------- */
@@ -45,9 +54,10 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
     const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t n,
     double shift, double mean_shifted, double rstd, const int streaming)
 {
+    const int prefetch = FASTLN_NAME(prefetch_next_row)(n, streaming);
     int64_t i = 0;
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
-        FASTLN_NAME(prefetch_step)(x + n + i);
+        if (prefetch) FASTLN_NAME(prefetch_step)(x + n + i);
         FASTLN_UNROLL
         for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
             FASTLN_NAME(ln_write_double_vector)(x, gamma, beta, y, v, shift, mean_shifted, rstd,
@@ -86,9 +96,10 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_float)(
     const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *beta, FASTLN_T *y, int64_t n,
     float mean_head, float mean_tail, float rstd, const int streaming)
 {
+    const int prefetch = FASTLN_NAME(prefetch_next_row)(n, streaming);
     int64_t i = 0;
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
-        FASTLN_NAME(prefetch_step)(x + n + i);
+        if (prefetch) FASTLN_NAME(prefetch_step)(x + n + i);
         FASTLN_UNROLL
         for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
             FASTLN_NAME(ln_write_float_vector)(x, gamma, beta, y, v, mean_head, mean_tail, rstd,
@@ -193,9 +204,10 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FAST
                                                  FASTLN_T *y, int64_t n, double x_scale,
                                                  int streaming)
 {
+    const int prefetch = FASTLN_NAME(prefetch_next_row)(n, streaming);
     int64_t i = 0;
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
-        FASTLN_NAME(prefetch_step)(x + n + i);
+        if (prefetch) FASTLN_NAME(prefetch_step)(x + n + i);
         FASTLN_UNROLL
         for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
             FASTLN_NAME(rms_write_double_vector)(x, gamma, y, v, x_scale, streaming);
@@ -234,9 +246,10 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
 #if FASTLN_COMPUTE_F32
     if (x_scale > 1e-30 && x_scale < 1e30) {
         const float rstd = (float)x_scale;
+        const int prefetch = FASTLN_NAME(prefetch_next_row)(n, streaming);
         int64_t i = 0;
         for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
-            FASTLN_NAME(prefetch_step)(x + n + i);
+            if (prefetch) FASTLN_NAME(prefetch_step)(x + n + i);
             FASTLN_UNROLL
             for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
                 FASTLN_NAME(rms_write_float_vector)(x, gamma, y, v, rstd, streaming);
