@@ -1292,6 +1292,17 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_backward_element)(FASTLN_T dy, FASTLN_T x,
                                             call->coef[c]);
 }
 
+/* bn_backward_store_float's rare vectors, out of line (see bn_store_float). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_store_by_element)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, FASTLN_VF v, const fastln_bn_call *call,
+    int64_t c, int64_t feature_step)
+{
+    FASTLN_T lanes[FASTLN_VF_LANES];
+    for (int l = 0; l < FASTLN_VF_LANES; l++)
+        lanes[l] = FASTLN_NAME(bn_backward_element)(dy[l], x[l], v[l], call, c + l * feature_step);
+    memcpy(dx, lanes, sizeof lanes);
+}
+
 /* Stores the float dx pass's vector v of VF_LANES elements at dx, or, when a lane is not
  * finite, each element by bn_backward_element from its dy and x; lane l is feature
  * c + l * feature_step (1 in the rows layout, 0 in a segment). */
@@ -1300,14 +1311,10 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_store_float)(const FASTLN_T *dy, cons
                                                         const fastln_bn_call *call, int64_t c,
                                                         int64_t feature_step)
 {
-    if (!FASTLN_ISA(any_not_finite)(v)) {
+    if (__builtin_expect(FASTLN_ISA(any_not_finite)(v), 0))
+        FASTLN_NAME(bn_backward_store_by_element)(dy, x, dx, v, call, c, feature_step);
+    else
         FASTLN_NAME(store_c)(dx, v);
-        return;
-    }
-    FASTLN_T lanes[FASTLN_VF_LANES];
-    for (int l = 0; l < FASTLN_VF_LANES; l++)
-        lanes[l] = FASTLN_NAME(bn_backward_element)(dy[l], x[l], v[l], call, c + l * feature_step);
-    memcpy(dx, lanes, sizeof lanes);
 }
 
 /* The rows layout's dx pass in float for the float32-compute types (the forward's rule,

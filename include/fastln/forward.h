@@ -374,6 +374,18 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply_element)(FASTLN_T x, float value,
                                          k->offset_double[c]);
 }
 
+/* bn_store_float's rare vectors, out of line: inlined, GCC saved every vector to the stack
+ * for them before the test. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_store_float_by_element)(
+    const FASTLN_T *x, FASTLN_T *y, FASTLN_VF v, const fastln_rows_constants *k, int64_t c,
+    int64_t feature_step)
+{
+    FASTLN_T lanes[FASTLN_VF_LANES];
+    for (int l = 0; l < FASTLN_VF_LANES; l++)
+        lanes[l] = FASTLN_NAME(bn_apply_element)(x[l], v[l], k, c + l * feature_step);
+    memcpy(y, lanes, sizeof lanes);
+}
+
 /* Stores the float apply's vector v of x's VF_LANES elements at y, or, when a lane is not
  * finite, each element by bn_apply_element; lane l is feature c + l * feature_step (1 in the
  * rows layout, 0 in a segment). */
@@ -381,14 +393,10 @@ FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, F
                                                const fastln_rows_constants *k, int64_t c,
                                                int64_t feature_step)
 {
-    if (!FASTLN_ISA(any_not_finite)(v)) {
+    if (__builtin_expect(FASTLN_ISA(any_not_finite)(v), 0))
+        FASTLN_NAME(bn_store_float_by_element)(x, y, v, k, c, feature_step);
+    else
         FASTLN_NAME(store_c)(y, v);
-        return;
-    }
-    FASTLN_T lanes[FASTLN_VF_LANES];
-    for (int l = 0; l < FASTLN_VF_LANES; l++)
-        lanes[l] = FASTLN_NAME(bn_apply_element)(x[l], v[l], k, c + l * feature_step);
-    memcpy(y, lanes, sizeof lanes);
 }
 
 /* The rows layout in float for the float32-compute types, as LayerNorm's float write pass:

@@ -112,11 +112,13 @@ FASTLN_INLINE FASTLN_VF FASTLN_ISA(narrow_pair)(FASTLN_VD low, FASTLN_VD high)
 /* Whether any lane of v is Inf or NaN (its exponent bits all set). */
 FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
 {
+#if defined(__AVX512F__)
+    /* one instruction for the four classes: quiet NaN, +Inf, -Inf, signalling NaN */
+    return _mm512_fpclass_ps_mask((__m512)v, 0x01 | 0x08 | 0x10 | 0x80) != 0;
+#else
     const FASTLN_VU32 exponent = (FASTLN_VU32)v & 0x7f800000u;
     const FASTLN_VU32 special = (FASTLN_VU32)(exponent == 0x7f800000u);
-#if defined(__AVX512F__)
-    return _mm512_test_epi32_mask((__m512i)special, (__m512i)special) != 0;
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
     return !_mm256_testz_si256((__m256i)special, (__m256i)special);
 #elif defined(__x86_64__)
     return _mm_movemask_ps((__m128)special) != 0;
@@ -124,6 +126,7 @@ FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
     int any = 0;
     for (int l = 0; l < FASTLN_VF_LANES; l++) any |= special[l] != 0;
     return any;
+#endif
 #endif
 }
 
@@ -210,7 +213,7 @@ FASTLN_INLINE FASTLN_VU32 FASTLN_ISA(bfloat16_bits)(FASTLN_VF v)
 
 #if defined(__AVX512BF16__)
 /* The rare vectors of store_bfloat16, out of line to keep them out of the loops that store. */
-static __attribute__((noinline)) __m256i FASTLN_ISA(bfloat16_rare)(FASTLN_VF v)
+FASTLN_OUTLINED __m256i FASTLN_ISA(bfloat16_rare)(FASTLN_VF v)
 {
     return _mm512_cvtepi32_epi16((__m512i)FASTLN_ISA(bfloat16_bits)(v));
 }
