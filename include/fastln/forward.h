@@ -2,9 +2,10 @@
  * type (fastln/storage.h). No include guard on purpose.
  *
  * The write passes are elementwise: they go cache line by cache line (FASTLN_STEP elements, and
- * for the rows of prefetch_next_row one prefetch of the next row's line each), and do the elements after the last whole step one at a
- * time with each lane's arithmetic, which rounds exactly as the vector lanes do. y may be x
- * itself (in place): each element is read before it is written. */
+ * for the rows of prefetch_next_row one prefetch of the next row's line each), and do the
+ * elements after the last whole step one at a time with each lane's arithmetic, which rounds
+ * exactly as the vector lanes do. y may be x itself (in place): each element is read before it
+ * is written. */
 
 /* Prefetch the lines of one step of the next row (rows are contiguous): the next statistics
  * pass then finds it in cache. */

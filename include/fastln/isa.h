@@ -113,8 +113,7 @@ FASTLN_INLINE FASTLN_VF FASTLN_ISA(narrow_pair)(FASTLN_VD low, FASTLN_VD high)
 FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
 {
 #if defined(__AVX512F__)
-    /* one instruction for the four classes: quiet NaN, +Inf, -Inf, signalling NaN */
-    return _mm512_fpclass_ps_mask((__m512)v, 0x01 | 0x08 | 0x10 | 0x80) != 0;
+    return _mm512_fpclass_ps_mask((__m512)v, FASTLN_CLASS_NAN | FASTLN_CLASS_INF) != 0;
 #else
     const FASTLN_VU32 exponent = (FASTLN_VU32)v & 0x7f800000u;
     const FASTLN_VU32 special = (FASTLN_VU32)(exponent == 0x7f800000u);
@@ -223,10 +222,10 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
 {
 #if defined(__AVX512BF16__)
     /* vcvtneps2bf16 rounds to nearest even in one instruction, but it flushes subnormals to
-     * zero and keeps a NaN's payload: vectors with either (fpclass: NaN or subnormal) are
-     * rounded in integer arithmetic. */
+     * zero and keeps a NaN's payload: vectors with either are rounded in integer arithmetic. */
     __m256i rounded;
-    if (__builtin_expect(_mm512_fpclass_ps_mask((__m512)v, 0x01 | 0x20 | 0x80) != 0, 0))
+    if (__builtin_expect(
+            _mm512_fpclass_ps_mask((__m512)v, FASTLN_CLASS_NAN | FASTLN_CLASS_SUBNORMAL) != 0, 0))
         rounded = FASTLN_ISA(bfloat16_rare)(v);
     else
         rounded = (__m256i)_mm512_cvtneps_pbh((__m512)v);

@@ -244,10 +244,10 @@ typedef struct {
  * folded into the double partial sums every FASTLN_ROWS_PER_FLUSH rows of a block (a multiple
  * of the group). */
 #define FASTLN_BACKWARD_GROUP 4
+#define FASTLN_ROWS_PER_FLUSH 16
 
 /* The longest row whose forward write pass prefetches the next row (fastln/forward.h). */
 #define FASTLN_PREFETCH_ROW_BYTES 8192
-#define FASTLN_ROWS_PER_FLUSH 16
 
 /* partials += accumulators, and the accumulators cleared. */
 FASTLN_INLINE void fastln_flush_accumulators(float *FASTLN_RESTRICT accumulators,

@@ -12,6 +12,13 @@
 
 #define FASTLN_RESTRICT __restrict__
 
+/* The classes of AVX-512's vfpclassps (_mm512_fpclass_ps_mask), as its immediate's bits. */
+#define FASTLN_CLASS_QUIET_NAN 0x01
+#define FASTLN_CLASS_INF (0x08 | 0x10) /* +Inf, -Inf */
+#define FASTLN_CLASS_SUBNORMAL 0x20
+#define FASTLN_CLASS_SIGNALLING_NAN 0x80
+#define FASTLN_CLASS_NAN (FASTLN_CLASS_QUIET_NAN | FASTLN_CLASS_SIGNALLING_NAN)
+
 /* Helpers must be inlined into the kernels that call them: an out-of-line copy would be
  * compiled for one instruction set only, and every variant of a kernel would call it. */
 #define FASTLN_INLINE static inline __attribute__((always_inline))
