@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover
 
 WIDTHS = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 257, 768, 777, 1024, 4096)
 DTYPES = ["float32", "float64", "float16"] + (["bfloat16"] if ml_dtypes else [])
-OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "batch_norm")
+OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "batch_norm", "group_norm")
 
 
 def numpy_dtype(name):
@@ -80,13 +80,22 @@ def random_case(rng):
     axis = int(rng.integers(-len(shape), len(shape))) if rng.random() < 0.3 else -1
     if op == "batch_norm":
         axis = int(rng.choice([-1, 1 % len(shape)]))
+    num_groups = 1
+    if op == "group_norm":  # (N, C, *spatial), channels on axis 1 or last
+        n_channels = int(rng.choice((1, 2, 3, 4, 6, 8, 32, 64)))
+        num_groups = int(rng.choice([g for g in range(1, n_channels + 1) if n_channels % g == 0]))
+        spatial = tuple(int(rng.choice((1, 3, 7, 16, 33, 64))) for _ in range(rng.integers(0, 3)))
+        shape = (int(rng.choice((1, 2, 3, 5))), n_channels) + spatial
+        axis = int(rng.choice([1, -1]))
+        if axis == -1:
+            shape = (shape[0],) + spatial + (n_channels,)
     x = values(rng, shape, dtype_name)
     return dict(op=op, dtype=dtype_name, shape=shape, axis=axis, x=x,
                 residual=values(rng, shape, dtype_name), dy=values(rng, shape, dtype_name),
                 layout_seed=int(rng.integers(1 << 30)), eps=float(rng.choice([1e-5, 0.0, 1e-3])),
                 params=bool(rng.random() < 0.7), num_threads=int(rng.choice([1, 2, 3])),
                 training=bool(rng.random() < 0.7), in_place=bool(rng.random() < 0.2),
-                param_seed=int(rng.integers(1 << 30)))
+                param_seed=int(rng.integers(1 << 30)), num_groups=num_groups)
 
 
 def run(module, case):
@@ -115,6 +124,16 @@ def run(module, case):
                                              axis=axis, **common)
         dx, dgamma, dbeta = module.batch_norm_backward(dy, cache, gamma, **common)
         return [y, cache.mean, cache.rstd, running_mean, running_var, dx, dgamma, dbeta]
+    if op == "group_norm":
+        n_channels = shape[axis]
+        gamma = beta = None
+        if case["params"]:
+            gamma = (1 + 0.1 * param_rng.standard_normal(n_channels)).astype(param_dtype)
+            beta = param_rng.standard_normal(n_channels).astype(param_dtype)
+        y, cache = module.group_norm_forward(x, case["num_groups"], gamma, beta, eps=case["eps"],
+                                             channel_axis=axis, **common)
+        return [y, cache.mean, cache.rstd] + list(module.group_norm_backward(dy, cache, gamma,
+                                                                             **common))
     normalized = shape[axis % len(shape):]
     gamma = beta = bias = None
     if case["params"]:
@@ -190,7 +209,8 @@ def compare_bits(new, previous, n_cases, seed):
             counts["different"] += 1
             where = [i for i, (a, b) in enumerate(zip(new_out, old_out)) if not same_bits(a, b)]
             print(f"case {index}: outputs {where} differ:", {k: case[k] for k in
-                  ("op", "dtype", "shape", "axis", "eps", "params", "num_threads", "training")})
+                  ("op", "dtype", "shape", "axis", "eps", "params", "num_threads", "training",
+                   "num_groups")})
     print(", ".join(f"{count} {name}" for name, count in counts.items()), f"of {n_cases} cases")
     return counts["different"] == 0
 
@@ -268,6 +288,14 @@ def timed_call(module, op, x, residual, dy, gamma, beta, threads):
         s = np.empty_like(x)
         return lambda: module.add_rms_norm(x, residual, gamma, out=out, sum_out=s,
                                            num_threads=threads)
+    if op in ("group_norm", "group_norm_last"):  # NCHW shapes; 32 groups (fewer if C < 32)
+        groups = np.gcd(32, x.shape[1])
+        if op == "group_norm":
+            return lambda: module.group_norm(x, groups, gamma, beta, out=out, num_threads=threads)
+        x_last = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+        out_last = np.empty_like(x_last)
+        return lambda: module.group_norm(x_last, groups, gamma, beta, channel_axis=-1,
+                                         out=out_last, num_threads=threads)
     axis = 1 if x.ndim > 2 else -1  # NCHW: features on axis 1
     if op in ("batch_norm_train", "batch_norm_eval"):
         mean, var = np.zeros(x.shape[axis]), np.ones(x.shape[axis])
@@ -295,14 +323,16 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--half-params", action="store_true",
                         help="time float16/bfloat16 with gamma and beta in x's format (else float32)")
-    parser.add_argument("--instruction-set", help="run this build's kernels of this variant "
+    parser.add_argument("--instruction-set", help="run both builds' kernels of this variant "
                         "(fastln._kernels.instruction_sets())")
     args = parser.parse_args(argv)
     new = importlib.import_module("fastln")
     previous = importlib.import_module(args.previous)
     if args.instruction_set:
         new._kernels.use_instruction_set(args.instruction_set)
-    print(f"fastln kernels: {new._kernels.instruction_set()}")
+        previous._kernels.use_instruction_set(args.instruction_set)
+    print(f"fastln kernels: {new._kernels.instruction_set()}, "
+          f"previous: {previous._kernels.instruction_set()}")
     ok = True
     if args.bits:
         ok = compare_bits(new, previous, args.bits, args.seed)
