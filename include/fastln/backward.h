@@ -160,25 +160,6 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_add_floats)(FASTLN_VF dx_hat, FASTLN_
     *sum_d += d;
 }
 
-/* Adds this pass's float partials to their slots' double totals (slot first + lane); the row's
- * first run sets them (the same as adding to +0: a partial is never -0). */
-FASTLN_INLINE void FASTLN_NAME(fold_floats)(const FASTLN_VF partial[FASTLN_FLOAT_PASS_VECTORS],
-                                            double *totals, int first_run)
-{
-    FASTLN_UNROLL
-    for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
-        double *slot = totals + j * FASTLN_VF_LANES;
-        FASTLN_VD low = FASTLN_ISA(widen_low)(partial[j]);
-        FASTLN_VD high = FASTLN_ISA(widen_high)(partial[j]);
-        if (!first_run) {
-            low += FASTLN_ISA(load_f64)(slot);
-            high += FASTLN_ISA(load_f64)(slot + FASTLN_VD_LANES);
-        }
-        FASTLN_ISA(store_f64)(slot, low);
-        FASTLN_ISA(store_f64)(slot + FASTLN_VD_LANES, high);
-    }
-}
-
 /* The float runs over a row's blocks (the last one padded: ln_backward_pad) into the slots'
  * double totals. Inlined twice, with and without gamma, so that the loop has no test for it. */
 FASTLN_INLINE void FASTLN_NAME(ln_backward_float_slots)(
@@ -193,7 +174,8 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_float_slots)(
             FASTLN_VF sum_dxhat_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
             FASTLN_VF sum_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
             int padded_block;
-            const int64_t whole_end = fastln_float_run_end(run, n_whole, n_cols, &padded_block);
+            const int64_t whole_end =
+                fastln_float_run_end(run, FASTLN_FLOAT_RUN, n_whole, n_cols, &padded_block);
             for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
                 FASTLN_UNROLL
                 for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
@@ -778,7 +760,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_slots)(
         for (int64_t run = 0; run < n_cols; run += FASTLN_FLOAT_RUN * FASTLN_SLOTS) {
             FASTLN_VF sum[FASTLN_FLOAT_PASS_VECTORS] = {0};
             int padded_block;
-            const int64_t whole_end = fastln_float_run_end(run, n_whole, n_cols, &padded_block);
+            const int64_t whole_end =
+                fastln_float_run_end(run, FASTLN_FLOAT_RUN, n_whole, n_cols, &padded_block);
             for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
                 FASTLN_UNROLL
                 for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {

@@ -459,8 +459,7 @@ static void FASTLN_NAME(gn_forward_groups_task)(const void *opaque, int64_t begi
     for (int64_t ng = begin; ng < end; ng++) {
         const FASTLN_T *x = (const FASTLN_T *)call->x + ng * size;
         double *sums = call->partials + 2 * call->n_pieces * ng;
-        FASTLN_NAME(gn_piece_sums)(x, size, call->piece, 0, call->n_pieces,
-                                   FASTLN_NAME(to_double)(x[0]), sums);
+        FASTLN_NAME(gn_piece_sums)(x, size, call->piece, 0, call->n_pieces, sums);
         fastln_ln_stats stats;
         FASTLN_NAME(gn_run_statistics)(x, size, sums, call->n_pieces, call->eps, &stats);
         FASTLN_NAME(gn_keep_statistics)(call, ng, &stats);
@@ -488,7 +487,6 @@ static void FASTLN_NAME(gn_statistics_task)(const void *opaque, int64_t begin, i
         if (!call->channels_last) {
             const int64_t ng = task / call->n_pieces, p = task % call->n_pieces;
             FASTLN_NAME(gn_piece_sums)(x + ng * size, size, call->piece, p, p + 1,
-                                       FASTLN_NAME(to_double)(x[ng * size]),
                                        call->partials + 2 * call->n_pieces * ng);
             continue;
         }

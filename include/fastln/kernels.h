@@ -161,13 +161,14 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
 #include "fastln/batch_norm.h"
 
 /* One row's LayerNorm statistics (ln_statistics): the sums are taken on x - shift (shift = x[0],
- * or the mean where those sums overflow), and x_hat = ((x - shift) - mean_shifted) * rstd,
- * rstd = 1 / sqrt(var + eps); mean is the row's mean. A row of the rare paths (rare set: an rstd
- * beyond double's range - eps = 0 and a spread below ~1e-308 -, deviations beyond double - values
- * of both signs near DBL_MAX -) has x_hat = fastln_ln_rare_x_hat instead: its deviations computed
- * under 2^prescale, brought to about 1 by 2^(exponent - prescale), less their mean center, times
- * rstd_scaled; and rstd = ldexp(rstd_scaled, exponent). var is 0 only for a constant row (and is
- * in the scaled units on the rescaled path). */
+ * or the mean where those sums overflow; float32-compute rows: a float near the mean), and
+ * x_hat = ((x - shift) - mean_shifted) * rstd, rstd = 1 / sqrt(var + eps); mean is the row's
+ * mean. A row of the rare paths (rare set: an rstd beyond double's range - eps = 0 and a spread
+ * below ~1e-308 -, deviations beyond double - values of both signs near DBL_MAX -) has
+ * x_hat = fastln_ln_rare_x_hat instead: its deviations computed under 2^prescale, brought to
+ * about 1 by 2^(exponent - prescale), less their mean center, times rstd_scaled; and
+ * rstd = ldexp(rstd_scaled, exponent). var is 0 only for a constant row (and is in the scaled
+ * units on the rescaled path). */
 typedef struct {
     double shift, mean_shifted, mean, var, rstd, rstd_scaled, center;
     int exponent, prescale, rare;
@@ -202,6 +203,12 @@ FASTLN_INLINE double fastln_ln_rare_x_hat(double x, const fastln_ln_stats *stats
  * terms cancel by more than this factor (4 bits): a row whose first element lies more than four
  * standard deviations from its mean. */
 #define FASTLN_MAX_CANCELLATION 16.0
+
+/* The float-run statistics (fastln/statistics.h) keep a row only when mean(d)^2 is at most this
+ * fraction of the variance: sum(d * d) / n is then at most 1.5 variances, so the variance keeps
+ * the float sums' relative accuracy. Their shift is the first block's mean, so ordinary rows
+ * pass; the others are summed again around their mean. */
+#define FASTLN_MAX_FLOAT_CANCELLATION 0.5
 
 /* Variances (and eps) below this are taken again on rescaled values: their squares may have
  * underflowed in double. */

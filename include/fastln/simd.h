@@ -71,12 +71,18 @@ typedef int64_t fastln_i64x8 __attribute__((vector_size(64)));
  * length; the folds cost one widening per slot per run. */
 #define FASTLN_FLOAT_RUN 32
 
-/* The float run starting at element `run` of a row: its whole blocks end at the returned index;
- * *padded tells whether the row's padded last block (from n_whole on) belongs to it. */
-FASTLN_INLINE int64_t fastln_float_run_end(int64_t run, int64_t n_whole, int64_t n_cols,
-                                           int *padded)
+/* The float32 forward's statistics follow the same rule with shorter runs: a variance is a
+ * difference of sums, and the forward's results are held to a tighter bound than the backward's
+ * (docs/performance.md, "The forward's statistics in float runs"). */
+#define FASTLN_FORWARD_FLOAT_RUN 8
+
+/* The float run of run_blocks blocks starting at element `run` of a row: its whole blocks end at
+ * the returned index; *padded tells whether the row's padded last block (from n_whole on)
+ * belongs to it. */
+FASTLN_INLINE int64_t fastln_float_run_end(int64_t run, int64_t run_blocks, int64_t n_whole,
+                                           int64_t n_cols, int *padded)
 {
-    const int64_t run_end = run + FASTLN_FLOAT_RUN * FASTLN_SLOTS;
+    const int64_t run_end = run + run_blocks * FASTLN_SLOTS;
     *padded = n_whole < n_cols && n_whole < run_end;
     return run_end < n_whole ? run_end : n_whole;
 }

@@ -1,5 +1,6 @@
-/* Statistics of a row (LayerNorm, RMSNorm) and of a BatchNorm feature, in double, for one storage
- * type (fastln/storage.h). No include guard on purpose.
+/* Statistics of a row (LayerNorm, RMSNorm) and of a BatchNorm feature, for one storage type
+ * (fastln/storage.h): in double, or for LayerNorm's float32-compute types in float runs folded
+ * into double, falling back to double where those do not hold. No include guard on purpose.
  *
  * Every sum keeps the slots of fastln/simd.h: a pass over the row adds each FASTLN_SLOTS-element
  * block into FASTLN_PASS_VECTORS accumulators (one pass per FASTLN_PASS_SLOTS slots), and the
@@ -50,6 +51,135 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_sums)(const FASTLN_T *x, int64_t n_cols, dou
     *sum_out = fastln_reduce_slots(sum_slots);
     *sumsq_out = fastln_reduce_slots(sumsq_slots);
 }
+
+#if FASTLN_COMPUTE_F32
+/* ---- LayerNorm: the statistics in float runs ---------------------------------------------
+ * The float32-compute types take a row's sums as the backward does (FASTLN_FORWARD_FLOAT_RUN
+ * blocks per float run, fastln/simd.h): d = x - shift, sum(d) and sum(d * d) in float per slot
+ * and run, each run's partial added to its slot's double total. Float sums need a shift near
+ * the mean (a variance that is a small difference of large sums would keep the float
+ * roundings of the large ones), so the shift is the mean of the row's first block, and a row
+ * whose mean is still far from it is summed again around its mean. */
+
+/* Adds this pass's float partials to their slots' double totals (slot first + lane); the row's
+ * first run sets them (the same as adding to +0: a partial is never -0). */
+FASTLN_INLINE void FASTLN_NAME(fold_floats)(const FASTLN_VF partial[FASTLN_FLOAT_PASS_VECTORS],
+                                            double *totals, int first_run)
+{
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+        double *slot = totals + j * FASTLN_VF_LANES;
+        FASTLN_VD low = FASTLN_ISA(widen_low)(partial[j]);
+        FASTLN_VD high = FASTLN_ISA(widen_high)(partial[j]);
+        if (!first_run) {
+            low += FASTLN_ISA(load_f64)(slot);
+            high += FASTLN_ISA(load_f64)(slot + FASTLN_VD_LANES);
+        }
+        FASTLN_ISA(store_f64)(slot, low);
+        FASTLN_ISA(store_f64)(slot + FASTLN_VD_LANES, high);
+    }
+}
+
+/* A float near the row's mean: the mean of its first block (of all of it when shorter), summed
+ * in double by a fixed tree. */
+FASTLN_INLINE float FASTLN_NAME(ln_float_shift)(const FASTLN_T *x, int64_t n_cols)
+{
+    double v[FASTLN_SLOTS];
+    if (n_cols < FASTLN_SLOTS) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < n_cols; j++) sum += FASTLN_NAME(to_double)(x[j]);
+        return (float)(sum / (double)n_cols);
+    }
+    for (int k = 0; k < FASTLN_SLOTS; k++) v[k] = FASTLN_NAME(to_double)(x[k]);
+    for (int width = FASTLN_SLOTS / 2; width > 0; width /= 2)
+        for (int k = 0; k < width; k++) v[k] += v[k + width];
+    return (float)(v[0] / FASTLN_SLOTS);
+}
+
+/* sum(d) and sum(d * d) over a row in float runs, d = x - shift in float (the padding of the
+ * last block is the shift: d = 0 there). */
+FASTLN_OUTLINED void FASTLN_NAME(ln_float_sums)(const FASTLN_T *x, int64_t n_cols, float shift,
+                                              double *sum_out, double *sumsq_out)
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[FASTLN_SLOTS];
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++)
+            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : shift;
+    double sum_slots[FASTLN_SLOTS], sumsq_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
+        for (int64_t run = 0; run < n_cols; run += FASTLN_FORWARD_FLOAT_RUN * FASTLN_SLOTS) {
+            FASTLN_VF sum[FASTLN_FLOAT_PASS_VECTORS] = {0}, sumsq[FASTLN_FLOAT_PASS_VECTORS] = {0};
+            int padded_block;
+            const int64_t whole_end = fastln_float_run_end(run, FASTLN_FORWARD_FLOAT_RUN, n_whole,
+                                                           n_cols, &padded_block);
+            for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const FASTLN_VF d =
+                        FASTLN_NAME(load_c)(x + i + first + j * FASTLN_VF_LANES) - shift;
+                    sum[j] += d;
+                    sumsq[j] += d * d;
+                }
+            }
+            if (padded_block) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const FASTLN_VF d =
+                        FASTLN_NAME(load_p)(padded + first + j * FASTLN_VF_LANES) - shift;
+                    sum[j] += d;
+                    sumsq[j] += d * d;
+                }
+            }
+            FASTLN_NAME(fold_floats)(sum, sum_slots + first, run == 0);
+            FASTLN_NAME(fold_floats)(sumsq, sumsq_slots + first, run == 0);
+        }
+    *sum_out = fastln_reduce_slots(sum_slots);
+    *sumsq_out = fastln_reduce_slots(sumsq_slots);
+}
+
+/* A row's statistics from its float sums around `shift`: 1 and *stats filled when they hold, 0
+ * when the row needs the double pass. They hold when the sums are finite (no Inf, NaN, or
+ * square beyond float), sum(d * d) is at least n * FLT_MIN (below that, squares under float's
+ * normal range could matter: each is off by at most 2^-150; a constant row is also sent on),
+ * and the mean is near the shift (mean_shifted^2 <= FASTLN_MAX_FLOAT_CANCELLATION * var, so
+ * that the variance keeps the sums' relative accuracy). */
+FASTLN_INLINE int FASTLN_NAME(ln_float_statistics_from_sums)(float shift, double sum,
+                                                             double sumsq, double n, double eps,
+                                                             fastln_ln_stats *stats)
+{
+    const double mean_shifted = sum / n;
+    double var = sumsq / n - mean_shifted * mean_shifted;
+    if (!isfinite(sum) || !(sumsq >= n * FLT_MIN) || !(sumsq < INFINITY)
+        || !(mean_shifted * mean_shifted <= FASTLN_MAX_FLOAT_CANCELLATION * var))
+        return 0;
+    stats->shift = (double)shift;
+    stats->mean_shifted = mean_shifted;
+    stats->mean = (double)shift + mean_shifted;
+    stats->var = var;
+    stats->rstd = stats->rstd_scaled = 1.0 / sqrt(var + eps);
+    stats->exponent = stats->prescale = 0;
+    stats->center = 0.0;
+    stats->rare = 0;
+    return 1;
+}
+
+/* A row's statistics in float runs (above): 1 when they hold, 0 for the double pass. */
+FASTLN_INLINE int FASTLN_NAME(ln_float_statistics)(const FASTLN_T *x, int64_t n_cols, double eps,
+                                                   fastln_ln_stats *stats)
+{
+    const double n = (double)n_cols;
+    float shift = FASTLN_NAME(ln_float_shift)(x, n_cols);
+    double sum, sumsq;
+    FASTLN_NAME(ln_float_sums)(x, n_cols, shift, &sum, &sumsq);
+    if (FASTLN_NAME(ln_float_statistics_from_sums)(shift, sum, sumsq, n, eps, stats)) return 1;
+    const double mean_shifted = sum / n;
+    if (!isfinite(mean_shifted)) return 0;
+    shift = (float)((double)shift + mean_shifted);
+    FASTLN_NAME(ln_float_sums)(x, n_cols, shift, &sum, &sumsq);
+    return FASTLN_NAME(ln_float_statistics_from_sums)(shift, sum, sumsq, n, eps, stats);
+}
+#endif
 
 /* The mean of a row of finite values whose sums around x[0] overflow double (float64 values
  * near DBL_MAX), summed on the values scaled by 2^-k with n_cols < 2^k, a sum that cannot
@@ -151,6 +281,9 @@ static void FASTLN_NAME(ln_rescaled_statistics)(const FASTLN_T *x, int64_t n_run
 FASTLN_INLINE void FASTLN_NAME(ln_statistics)(const FASTLN_T *x, int64_t n_cols, double eps,
                                               fastln_ln_stats *stats)
 {
+#if FASTLN_COMPUTE_F32
+    if (FASTLN_NAME(ln_float_statistics)(x, n_cols, eps, stats)) return;
+#endif
     const double n = (double)n_cols;
     double shift = FASTLN_NAME(to_double)(x[0]);
     double sum, sumsq;
@@ -391,23 +524,42 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_stats_segments)(
 
 /* ---- GroupNorm: a (sample, group) -----------------------------------------------------------
  * Channels first, a group is a contiguous run of n values (fastln/group_norm.h): its pieces are
- * summed with LayerNorm's ln_sums, shifted by the run's first value; channels last, its blocks
- * are summed with BatchNorm's bn_stats_rows (entries.h). */
+ * summed as LayerNorm sums a row (float32-compute types in float runs around the mean of the
+ * run's first block, float64 in double around the run's first value); channels last, its
+ * blocks are summed with BatchNorm's bn_stats_rows (entries.h). */
 
-/* sum(d) and sum(d * d), d = x - shift, of each piece of `piece` values of a run of n values,
- * into sums[2 * p] and sums[2 * p + 1] for pieces [first, last). */
-FASTLN_INLINE void FASTLN_NAME(gn_piece_sums)(const FASTLN_T *x, int64_t n, int64_t piece,
-                                              int64_t first, int64_t last, double shift,
-                                              double *sums)
+/* The shift of a channels-first run of n values: the one LayerNorm's first try takes for it. */
+FASTLN_INLINE double FASTLN_NAME(gn_shift)(const FASTLN_T *x, int64_t n)
 {
-    for (int64_t p = first; p < last; p++)
-        FASTLN_NAME(ln_sums)(x + p * piece, fastln_min(piece, n - p * piece), shift,
-                             &sums[2 * p], &sums[2 * p + 1]);
+#if FASTLN_COMPUTE_F32
+    return (double)FASTLN_NAME(ln_float_shift)(x, n);
+#else
+    (void)n;
+    return FASTLN_NAME(to_double)(x[0]);
+#endif
+}
+
+/* sum(d) and sum(d * d), d = x - gn_shift(run), of each piece of `piece` values of a run of n
+ * values, into sums[2 * p] and sums[2 * p + 1] for pieces [first, last). */
+FASTLN_INLINE void FASTLN_NAME(gn_piece_sums)(const FASTLN_T *x, int64_t n, int64_t piece,
+                                              int64_t first, int64_t last, double *sums)
+{
+    const double shift = FASTLN_NAME(gn_shift)(x, n);
+    for (int64_t p = first; p < last; p++) {
+        const int64_t length = fastln_min(piece, n - p * piece);
+#if FASTLN_COMPUTE_F32
+        FASTLN_NAME(ln_float_sums)(x + p * piece, length, (float)shift, &sums[2 * p],
+                                   &sums[2 * p + 1]);
+#else
+        FASTLN_NAME(ln_sums)(x + p * piece, length, shift, &sums[2 * p], &sums[2 * p + 1]);
+#endif
+    }
 }
 
 /* The statistics of a channels-first group of n values from its pieces' sums (added in piece
- * order); the groups those cannot take (fastln_gn_statistics_from_sums) are taken again as a
- * LayerNorm row. A group of one piece gets exactly the statistics of that row. */
+ * order); the groups those cannot take (ln_float_statistics_from_sums, or for float64
+ * fastln_gn_statistics_from_sums) are taken again as a LayerNorm row. A group of one piece gets
+ * exactly the statistics of that row. */
 FASTLN_INLINE void FASTLN_NAME(gn_run_statistics)(const FASTLN_T *x, int64_t n,
                                                   const double *sums, int64_t n_pieces,
                                                   double eps, fastln_ln_stats *stats)
@@ -417,7 +569,12 @@ FASTLN_INLINE void FASTLN_NAME(gn_run_statistics)(const FASTLN_T *x, int64_t n,
         sum += sums[2 * p];
         sumsq += sums[2 * p + 1];
     }
-    if (!fastln_gn_statistics_from_sums(FASTLN_NAME(to_double)(x[0]), sum, sumsq, (double)n, eps,
-                                        stats))
+    const double shift = FASTLN_NAME(gn_shift)(x, n);
+#if FASTLN_COMPUTE_F32
+    if (!FASTLN_NAME(ln_float_statistics_from_sums)((float)shift, sum, sumsq, (double)n, eps,
+                                                    stats))
+#else
+    if (!fastln_gn_statistics_from_sums(shift, sum, sumsq, (double)n, eps, stats))
+#endif
         FASTLN_NAME(ln_statistics)(x, n, eps, stats);
 }
