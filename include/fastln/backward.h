@@ -835,7 +835,10 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_double_chunk)(
         const int64_t column = i + v * FASTLN_VF_LANES;
         dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
         dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
-        if (gamma) FASTLN_NAME(load_wide_p)(gamma + column, &scale[v][0], &scale[v][1]);
+        if (gamma)
+            FASTLN_NAME(load_wide_p)(gamma + column, &scale[v][0], &scale[v][1]);
+        else /* unread: set only so that GCC does not see it read uninitialized */
+            scale[v][0] = scale[v][1] = (FASTLN_VD){0};
     }
     if (streaming) {
         FASTLN_NAME(prefetch_step)(dy + stride + i);

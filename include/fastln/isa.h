@@ -199,7 +199,26 @@ FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_bfloat16)(const uint16_t *p)
 #endif
 }
 
-/* store_bfloat16's rounding in integer arithmetic: each lane's bfloat16 in its low half. */
+/* Whether any lane of v is a NaN. */
+FASTLN_INLINE int FASTLN_ISA(any_nan)(FASTLN_VF v)
+{
+#if defined(__AVX512F__)
+    return _mm512_fpclass_ps_mask((__m512)v, FASTLN_CLASS_NAN) != 0;
+#elif defined(__AVX2__)
+    const __m256 unordered = _mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q);
+    return !_mm256_testz_ps(unordered, unordered);
+#elif defined(__x86_64__)
+    return _mm_movemask_ps(_mm_cmpunord_ps((__m128)v, (__m128)v)) != 0;
+#else
+    int any = 0;
+    for (int l = 0; l < FASTLN_VF_LANES; l++) any |= v[l] != v[l];
+    return any;
+#endif
+}
+
+/* store_bfloat16's rounding in integer arithmetic: each lane's bfloat16 in its low half. A NaN
+ * lane would round like a large number (and could carry into the sign): it becomes the quiet
+ * NaN 0x7fc0 with its sign. */
 FASTLN_INLINE FASTLN_VU32 FASTLN_ISA(bfloat16_bits)(FASTLN_VF v)
 {
     FASTLN_VU32 bits;
@@ -210,11 +229,17 @@ FASTLN_INLINE FASTLN_VU32 FASTLN_ISA(bfloat16_bits)(FASTLN_VF v)
     return (nan & is_nan) | (rounded & ~is_nan);
 }
 
+/* The rare vectors of store_bfloat16 (a NaN lane; with vcvtneps2bf16, also a subnormal one),
+ * out of line to keep them out of the loops that store. */
 #if defined(__AVX512BF16__)
-/* The rare vectors of store_bfloat16, out of line to keep them out of the loops that store. */
 FASTLN_OUTLINED __m256i FASTLN_ISA(bfloat16_rare)(FASTLN_VF v)
 {
     return _mm512_cvtepi32_epi16((__m512i)FASTLN_ISA(bfloat16_bits)(v));
+}
+#else
+FASTLN_OUTLINED FASTLN_VU32 FASTLN_ISA(bfloat16_rare)(FASTLN_VF v)
+{
+    return FASTLN_ISA(bfloat16_bits)(v);
 }
 #endif
 
@@ -231,7 +256,15 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
         rounded = (__m256i)_mm512_cvtneps_pbh((__m512)v);
     _mm256_storeu_si256((__m256i *)p, rounded);
 #else
-    const FASTLN_VU32 result = FASTLN_ISA(bfloat16_bits)(v);
+    /* Without NaNs the rounding is five integer operations; the NaN test costs two. */
+    FASTLN_VU32 result;
+    if (__builtin_expect(FASTLN_ISA(any_nan)(v), 0)) {
+        result = FASTLN_ISA(bfloat16_rare)(v);
+    } else {
+        FASTLN_VU32 bits;
+        memcpy(&bits, &v, sizeof bits);
+        result = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    }
     /* Each lane holds a value below 2^16: keep its low half. Written lane by lane, GCC stores
      * the vector one element at a time in some loops; the narrowing instructions say it once. */
 #if defined(__AVX512F__)
