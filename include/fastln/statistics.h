@@ -396,15 +396,61 @@ static double FASTLN_NAME(rms_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, 
     return 1.0 / sqrt(scaled + eps_scaled);
 }
 
+#if FASTLN_COMPUTE_F32
+/* sum(x * x) over a row in float runs (FASTLN_FORWARD_FLOAT_RUN blocks per run, each run's
+ * partial added to its slot's double total), as LayerNorm's ln_float_sums. Zeros pad. */
+FASTLN_OUTLINED double FASTLN_NAME(rms_float_sum_squares)(const FASTLN_T *x, int64_t n_cols)
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    FASTLN_P padded[FASTLN_SLOTS];
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++)
+            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
+    double slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
+        for (int64_t run = 0; run < n_cols; run += FASTLN_FORWARD_FLOAT_RUN * FASTLN_SLOTS) {
+            FASTLN_VF sumsq[FASTLN_FLOAT_PASS_VECTORS] = {0};
+            int padded_block;
+            const int64_t whole_end = fastln_float_run_end(run, FASTLN_FORWARD_FLOAT_RUN, n_whole,
+                                                           n_cols, &padded_block);
+            for (int64_t i = run; i < whole_end; i += FASTLN_SLOTS) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const FASTLN_VF v = FASTLN_NAME(load_c)(x + i + first + j * FASTLN_VF_LANES);
+                    sumsq[j] += v * v;
+                }
+            }
+            if (padded_block) {
+                FASTLN_UNROLL
+                for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+                    const FASTLN_VF v = FASTLN_NAME(load_p)(padded + first + j * FASTLN_VF_LANES);
+                    sumsq[j] += v * v;
+                }
+            }
+            FASTLN_NAME(fold_floats)(sumsq, slots + first, run == 0);
+        }
+    return fastln_reduce_slots(slots);
+}
+#endif
+
 /* 1 / sqrt(mean(x * x) + eps) of one row.
  *
- * The sum of squares is in double, where float32 squares can neither overflow nor underflow.
+ * float32-compute rows first try their squares in float runs (rms_float_sum_squares): they
+ * stand when the sum is finite and at least n * FLT_MIN (so squares below float's normal range,
+ * each off by at most 2^-150, cannot matter; an all-zero row is sent on). Otherwise, and for
+ * float64, the sum of squares is in double, where float32 squares can neither overflow nor
+ * underflow.
  * A float64 row can: squares beyond about 1e154 overflow, and with eps = 0 squares below about
  * 1e-154 lose their digits. Such a row is summed again rescaled (rms_rescaled_rstd). An all-zero
  * row gives 1 / sqrt(eps), and Inf when eps = 0 (the caller then writes y = 0); so does a row
  * whose rstd is beyond double's range (eps = 0 and values below ~1e-308). */
 FASTLN_INLINE double FASTLN_NAME(rms_row_rstd)(const FASTLN_T *x, int64_t n_cols, double eps)
 {
+#if FASTLN_COMPUTE_F32
+    const double float_squares = FASTLN_NAME(rms_float_sum_squares)(x, n_cols);
+    if (float_squares >= (double)n_cols * FLT_MIN && float_squares < INFINITY)
+        return 1.0 / sqrt(float_squares / (double)n_cols + eps);
+#endif
     const double mean_square = FASTLN_NAME(rms_sum_squares)(x, n_cols, 1.0) / (double)n_cols;
     if (mean_square <= DBL_MAX && mean_square + eps >= DBL_MIN) /* false for Inf and NaN */
         return 1.0 / sqrt(mean_square + eps);
