@@ -8,6 +8,19 @@
 
 /* ---- LayerNorm: mean and variance ------------------------------------------------------- */
 
+/* A row's last partial block in the compute type, into padded, its lanes past the row set to
+ * pad (a value that adds exactly 0 to the sum at hand); returns n_whole, where that block
+ * starts (n_cols when the row has none, padded then untouched). */
+FASTLN_INLINE int64_t FASTLN_NAME(pad_last_block)(const FASTLN_T *x, int64_t n_cols,
+                                                  FASTLN_P pad, FASTLN_P padded[FASTLN_SLOTS])
+{
+    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
+    if (n_whole < n_cols)
+        for (int k = 0; k < FASTLN_SLOTS; k++)
+            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : pad;
+    return n_whole;
+}
+
 /* sum += d and sumsq += d * d, d = x - shift, for one block's elements of this pass's slots
  * (from the row, or from the padded last block when x is NULL). */
 FASTLN_INLINE void FASTLN_NAME(ln_add_block)(const FASTLN_T *x, const FASTLN_P *padded,
@@ -33,12 +46,8 @@ FASTLN_INLINE void FASTLN_NAME(ln_add_block)(const FASTLN_T *x, const FASTLN_P *
 FASTLN_OUTLINED void FASTLN_NAME(ln_sums)(const FASTLN_T *x, int64_t n_cols, double shift,
                                         double *sum_out, double *sumsq_out)
 {
-    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[FASTLN_SLOTS];
-    if (n_whole < n_cols)
-        for (int k = 0; k < FASTLN_SLOTS; k++)
-            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k])
-                                             : (FASTLN_C)shift;
+    const int64_t n_whole = FASTLN_NAME(pad_last_block)(x, n_cols, (FASTLN_C)shift, padded);
     double sum_slots[FASTLN_SLOTS], sumsq_slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
         FASTLN_VD sum[FASTLN_PASS_VECTORS] = {0}, sumsq[FASTLN_PASS_VECTORS] = {0};
@@ -101,11 +110,8 @@ FASTLN_INLINE float FASTLN_NAME(ln_float_shift)(const FASTLN_T *x, int64_t n_col
 FASTLN_OUTLINED void FASTLN_NAME(ln_float_sums)(const FASTLN_T *x, int64_t n_cols, float shift,
                                               double *sum_out, double *sumsq_out)
 {
-    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[FASTLN_SLOTS];
-    if (n_whole < n_cols)
-        for (int k = 0; k < FASTLN_SLOTS; k++)
-            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : shift;
+    const int64_t n_whole = FASTLN_NAME(pad_last_block)(x, n_cols, shift, padded);
     double sum_slots[FASTLN_SLOTS], sumsq_slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
         for (int64_t run = 0; run < n_cols; run += FASTLN_FORWARD_FLOAT_RUN * FASTLN_SLOTS) {
@@ -350,11 +356,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_add_block)(const FASTLN_T *x, const FASTLN_P 
 /* sum((x * scale)^2) over the row; scale is 1 except on the overflow path. Zeros pad. */
 FASTLN_OUTLINED double FASTLN_NAME(rms_sum_squares)(const FASTLN_T *x, int64_t n_cols, double scale)
 {
-    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[FASTLN_SLOTS];
-    if (n_whole < n_cols)
-        for (int k = 0; k < FASTLN_SLOTS; k++)
-            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
+    const int64_t n_whole = FASTLN_NAME(pad_last_block)(x, n_cols, 0, padded);
     double slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
         FASTLN_VD sumsq[FASTLN_PASS_VECTORS] = {0};
@@ -401,11 +404,8 @@ static double FASTLN_NAME(rms_rescaled_rstd)(const FASTLN_T *x, int64_t n_cols, 
  * partial added to its slot's double total), as LayerNorm's ln_float_sums. Zeros pad. */
 FASTLN_OUTLINED double FASTLN_NAME(rms_float_sum_squares)(const FASTLN_T *x, int64_t n_cols)
 {
-    const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[FASTLN_SLOTS];
-    if (n_whole < n_cols)
-        for (int k = 0; k < FASTLN_SLOTS; k++)
-            padded[k] = n_whole + k < n_cols ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
+    const int64_t n_whole = FASTLN_NAME(pad_last_block)(x, n_cols, 0, padded);
     double slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_FLOAT_PASS_SLOTS)
         for (int64_t run = 0; run < n_cols; run += FASTLN_FORWARD_FLOAT_RUN * FASTLN_SLOTS) {
