@@ -179,8 +179,9 @@ FASTLN_INLINE int FASTLN_NAME(ln_float_statistics)(const FASTLN_T *x, int64_t n_
     double sum, sumsq;
     FASTLN_NAME(ln_float_sums)(x, n_cols, shift, &sum, &sumsq);
     if (FASTLN_NAME(ln_float_statistics_from_sums)(shift, sum, sumsq, n, eps, stats)) return 1;
+    /* A better shift helps only a row whose sums were good but far from it. */
     const double mean_shifted = sum / n;
-    if (!isfinite(mean_shifted)) return 0;
+    if (!isfinite(sum) || !(sumsq >= n * FLT_MIN) || !(sumsq < INFINITY)) return 0;
     shift = (float)((double)shift + mean_shifted);
     FASTLN_NAME(ln_float_sums)(x, n_cols, shift, &sum, &sumsq);
     return FASTLN_NAME(ln_float_statistics_from_sums)(shift, sum, sumsq, n, eps, stats);
