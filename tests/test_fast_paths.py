@@ -20,6 +20,7 @@ FAST_FUNCTIONS = (
     (_kernels, "row_norm_forward_fast"),
     (_kernels, "row_norm_backward_fast"),
     (_kernels, "batch_norm_forward_fast"),
+    (_kernels, "batch_norm_backward_fast"),
 )
 N_COLS = 96
 SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))
@@ -817,3 +818,98 @@ def test_batch_norm_falls_back(monkeypatch, name, dtype):
     """Unusual calls decline the fast path and get the general path's result or error."""
     fast, general = run_both(BN_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
     assert not fast.took_fast_path, fast.fast_results
+
+
+# --------------------------------------------------------------------------------------------
+# BatchNorm's backward
+# --------------------------------------------------------------------------------------------
+
+def _bn_backward_call(dtype, layout, training, with_gamma, out, num_threads=None):
+    """batch_norm_forward then batch_norm_backward of x in `dtype`; out None, "out", "dy" or
+    "x" (dx written over dy or x, in place)."""
+    def call(d):
+        x, dy = d["x"].astype(dtype), d["dy"].astype(dtype)
+        param_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        gamma = d["gamma"][:N_COLS].astype(param_dtype) if with_gamma else None
+        stats = () if training else (d["beta"][:N_COLS].astype(param_dtype),
+                                     (np.abs(d["gamma"][:N_COLS]) + 0.5).astype(param_dtype))
+        _, cache = fastln.batch_norm_forward(x, gamma, None, *stats, training=training,
+                                             axis=BN_LAYOUTS[layout][1])
+        target = {None: None, "out": np.full(x.shape, np.nan, x.dtype), "dy": dy, "x": x}[out]
+        result = fastln.batch_norm_backward(dy, cache, gamma, out=target,
+                                            num_threads=num_threads)
+        if target is not None:
+            assert result[0] is target
+        return result
+    return call
+
+
+@pytest.mark.parametrize("out", (None, "out", "dy", "x"))
+@pytest.mark.parametrize("dtype", _bn_dtypes())
+@pytest.mark.parametrize("with_gamma", (False, True))
+@pytest.mark.parametrize("training", (True, False))
+@pytest.mark.parametrize("layout", sorted(BN_LAYOUTS))
+def test_batch_norm_backward_fast_path_is_the_general_path(monkeypatch, layout, training,
+                                                           with_gamma, dtype, out):
+    """dx, dgamma and dbeta: the general path's bits, forward and backward on the fast path."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+    call = _bn_backward_call(dtype, layout, training, with_gamma, out)
+    fast, _ = run_both(call, np.float64, BN_LAYOUTS[layout][0], monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert fast.backward_took_fast_path
+
+
+@pytest.mark.parametrize("num_threads", (1, 2, 3))
+def test_batch_norm_backward_threads(monkeypatch, num_threads):
+    fast, _ = run_both(_bn_backward_call(np.float32, "rows", True, True, None, num_threads),
+                       np.float32, (200, N_COLS), monkeypatch)
+    assert fast.always_fast
+
+
+def _bn_backward(d, dy=None, out=None, gamma="gamma", **cache_fields):
+    """The backward of a training forward of d["x"] (features last), its cache's fields
+    replaced by cache_fields."""
+    _, cache = fastln.batch_norm_forward(d["x"], d["gamma"], training=True)
+    for name, value in cache_fields.items():
+        setattr(cache, name, value(cache) if callable(value) else value)
+    gamma = d["gamma"] if gamma == "gamma" else gamma
+    return fastln.batch_norm_backward(d["dy"] if dy is None else dy(d), cache, gamma, out=out)
+
+
+BN_BACKWARD_FALLBACKS = {
+    "fortran-dy": lambda d: _bn_backward(d, dy=lambda d: np.asfortranarray(d["dy"])),
+    "list-dy": lambda d: _bn_backward(d, dy=lambda d: d["dy"].tolist()),
+    "swapped-dy": lambda d: _bn_backward(d, dy=lambda d: d["dy"].astype(
+        d["dy"].dtype.newbyteorder(">"))),
+    "float32-mean": lambda d: _bn_backward(d, mean=lambda c: c.mean.astype(np.float32)),
+    "strided-rstd": lambda d: _bn_backward(d, rstd=lambda c: np.repeat(c.rstd, 2)[::2]),
+    "numpy-int-axis": lambda d: _bn_backward(d, axis=lambda c: np.int64(c.axis)),
+    "numpy-bool-training": lambda d: _bn_backward(d, training=np.bool_(True)),
+    "numpy-float-eps": lambda d: _bn_backward(d, eps=np.float64(1e-5)),
+    "list-gamma": lambda d: _bn_backward(d, gamma=d["gamma"].tolist()),
+    "int-gamma": lambda d: _bn_backward(d, gamma=np.arange(N_COLS)),
+    "out-shifted-on-dy": lambda d: _bn_backward(
+        d, dy=lambda d: d["sum_out"].reshape(-1)[:d["out"].size - N_COLS].reshape(-1, N_COLS),
+        out=d["sum_out"].reshape(-1)[N_COLS:].reshape(-1, N_COLS)),
+    # errors: the general path's, with its message
+    "dy-wrong-shape": lambda d: _bn_backward(d, dy=lambda d: d["dy"][1:]),
+    "dy-wrong-dtype": lambda d: _bn_backward(d, dy=lambda d: d["dy"].astype(np.float16)),
+    "gamma-wrong-length": lambda d: _bn_backward(d, gamma=d["gamma"][1:]),
+    "mean-wrong-length": lambda d: _bn_backward(d, mean=lambda c: c.mean[1:]),
+    "axis-out-of-range": lambda d: _bn_backward(d, axis=2),
+    "dtype-none": lambda d: _bn_backward(d, dtype=None),
+    "negative-eps": lambda d: _bn_backward(d, eps=-1.0),
+    "out-readonly": lambda d: _bn_backward(d, out=_readonly(d, "out")),
+    "out-wrong-dtype": lambda d: _bn_backward(d, out=d["out"].astype(np.float16)),
+    "empty-batch": lambda d: _bn_backward(d, dy=lambda d: d["dy"][:0],
+                                          x=lambda c: c.x[:0]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(BN_BACKWARD_FALLBACKS))
+def test_batch_norm_backward_falls_back(monkeypatch, name, dtype):
+    """Unusual calls decline the backward's fast path and get the general path's result or
+    error."""
+    fast, _ = run_both(BN_BACKWARD_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
+    assert not fast.backward_took_fast_path, fast.fast_results

@@ -83,24 +83,40 @@ static inline void fastln_bn_combine_partials(const double *FASTLN_RESTRICT part
  * and the constants of the write pass
  *     y = ((x - shift) - center) * scale + offset,  center = mean - shift, scale = rstd * gamma.
  * gamma and beta may be NULL (ones and zeros). */
-static inline void fastln_bn_train_constants(const fastln_bn_call *call)
+/* The loop of fastln_bn_train_constants, its arrays as restrict parameters: they never overlap,
+ * and knowing it lets the loop run in vectors (the same correctly rounded divisions and square
+ * roots, a lane per feature; GCC honours restrict on parameters, not on struct fields). */
+static inline void fastln_bn_train_constants_of(
+    int64_t n, double count, double eps, const double *FASTLN_RESTRICT sum,
+    const double *FASTLN_RESTRICT sumsq, const double *FASTLN_RESTRICT shift,
+    const double *FASTLN_RESTRICT gamma, const double *FASTLN_RESTRICT beta,
+    double *FASTLN_RESTRICT mean, double *FASTLN_RESTRICT var_out,
+    double *FASTLN_RESTRICT rstd_out, double *FASTLN_RESTRICT center,
+    double *FASTLN_RESTRICT scale, double *FASTLN_RESTRICT offset)
 {
-    const double count = (double)(call->n_outer * call->n_inner);
-    for (int64_t c = 0; c < call->n_features; c++) {
-        const double mean_shifted = call->sum[c] / count;
-        double var = call->sumsq[c] / count - mean_shifted * mean_shifted;
-        if (var < 0.0) var = 0.0; /* rounding only; NaN stays NaN */
-        const double rstd = 1.0 / sqrt(var + call->eps);
-        call->mean[c] = call->shift[c] + mean_shifted;
-        call->var[c] = var;
-        call->rstd[c] = rstd;
-        call->center[c] = mean_shifted;
+    for (int64_t c = 0; c < n; c++) {
+        const double mean_shifted = sum[c] / count;
+        double var = sumsq[c] / count - mean_shifted * mean_shifted;
+        var = var < 0.0 ? 0.0 : var; /* rounding only; NaN stays NaN */
+        const double rstd = 1.0 / sqrt(var + eps);
+        mean[c] = shift[c] + mean_shifted;
+        var_out[c] = var;
+        rstd_out[c] = rstd;
+        center[c] = mean_shifted;
         /* A constant feature with eps = 0: every deviation is exactly 0 and x_hat is 0
          * (y = beta), not 0 * inf = NaN. rstd still reports inf. */
-        const double x_hat_scale = var + call->eps == 0.0 ? 0.0 : rstd;
-        call->scale[c] = call->gamma ? x_hat_scale * call->gamma[c] : x_hat_scale;
-        call->offset[c] = call->beta ? call->beta[c] : 0.0;
+        const double x_hat_scale = var + eps == 0.0 ? 0.0 : rstd;
+        scale[c] = gamma ? x_hat_scale * gamma[c] : x_hat_scale;
+        offset[c] = beta ? beta[c] : 0.0;
     }
+}
+
+static inline void fastln_bn_train_constants(const fastln_bn_call *call)
+{
+    fastln_bn_train_constants_of(call->n_features, (double)(call->n_outer * call->n_inner),
+                                 call->eps, call->sum, call->sumsq, call->shift, call->gamma,
+                                 call->beta, call->mean, call->var, call->rstd, call->center,
+                                 call->scale, call->offset);
 }
 
 /* A rows-layout float apply's constants per feature (fastln/forward.h, bn_apply_rows_float):
@@ -131,44 +147,70 @@ static inline fastln_rows_constants fastln_bn_rows_constants(const fastln_bn_cal
 static inline int fastln_bn_float_in_range(double value, double limit)
 {
     const double a = fabs(value);
-    return a < limit && (a > 1e-30 || a == 0);
+    /* quiet comparisons, without branches: a NaN raises no flag, and the loops run in vectors */
+    return isless(a, limit) & (isgreater(a, 1e-30) | (a == 0));
 }
 
 /* mean as a float head and tail (0 and 0 when the feature is out of range). */
 static inline void fastln_bn_float_mean(double mean, int in_range, float *head, float *tail)
 {
-    *head = in_range ? (float)mean : 0.0f;
-    *tail = in_range ? (float)(mean - (double)*head) : 0.0f;
+    const float head_value = (float)mean;
+    const float tail_value = (float)(mean - (double)head_value);
+    *head = fastln_choose_float(in_range, head_value, 0.0f); /* no branch: see fastln_choose */
+    *tail = fastln_choose_float(in_range, tail_value, 0.0f);
+}
+
+static inline void fastln_bn_float_constants_of(
+    int64_t n, const double *FASTLN_RESTRICT shift, const double *FASTLN_RESTRICT center,
+    const double *FASTLN_RESTRICT scale_in, const double *FASTLN_RESTRICT offset_in,
+    float *FASTLN_RESTRICT head, float *FASTLN_RESTRICT tail, float *FASTLN_RESTRICT scale,
+    float *FASTLN_RESTRICT offset)
+{
+    for (int64_t c = 0; c < n; c++) {
+        const double mean = shift[c] + center[c];
+        const int in_range = isless(fabs(mean), 1e38) & isless(fabs(offset_in[c]), 1e38)
+                             & fastln_bn_float_in_range(scale_in[c], 1e30);
+        fastln_bn_float_mean(mean, in_range, &head[c], &tail[c]);
+        const float scale_value = (float)scale_in[c], offset_value = (float)offset_in[c];
+        scale[c] = fastln_choose_float(in_range, scale_value, NAN);
+        offset[c] = fastln_choose_float(in_range, offset_value, 0.0f);
+    }
 }
 
 static inline void fastln_bn_float_constants(const fastln_bn_call *call)
 {
     const int64_t n = call->n_features;
-    float *head = call->float_constants, *tail = head + n, *scale = head + 2 * n;
-    float *offset = head + 3 * n;
-    for (int64_t c = 0; c < n; c++) {
-        const double mean = call->shift[c] + call->center[c];
-        const int in_range = fabs(mean) < 1e38 && fabs(call->offset[c]) < 1e38
-                             && fastln_bn_float_in_range(call->scale[c], 1e30);
-        fastln_bn_float_mean(mean, in_range, &head[c], &tail[c]);
-        scale[c] = in_range ? (float)call->scale[c] : NAN;
-        offset[c] = in_range ? (float)call->offset[c] : 0.0f;
-    }
+    float *head = call->float_constants;
+    fastln_bn_float_constants_of(n, call->shift, call->center, call->scale, call->offset, head,
+                                 head + n, head + 2 * n, head + 3 * n);
 }
 
 /* Evaluation forward: the same write-pass constants from the running statistics
  * (shift = running_mean, center = 0). */
+static inline void fastln_bn_eval_constants_of(
+    int64_t n, double eps, const double *FASTLN_RESTRICT running_mean,
+    const double *FASTLN_RESTRICT running_var, const double *FASTLN_RESTRICT gamma,
+    const double *FASTLN_RESTRICT beta, double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT rstd_out, double *FASTLN_RESTRICT shift,
+    double *FASTLN_RESTRICT center, double *FASTLN_RESTRICT scale,
+    double *FASTLN_RESTRICT offset)
+{
+    for (int64_t c = 0; c < n; c++) {
+        const double rstd = 1.0 / sqrt(running_var[c] + eps);
+        mean[c] = running_mean[c];
+        rstd_out[c] = rstd;
+        shift[c] = running_mean[c];
+        center[c] = 0.0;
+        scale[c] = gamma ? rstd * gamma[c] : rstd;
+        offset[c] = beta ? beta[c] : 0.0;
+    }
+}
+
 static inline void fastln_bn_eval_constants(const fastln_bn_call *call)
 {
-    for (int64_t c = 0; c < call->n_features; c++) {
-        const double rstd = 1.0 / sqrt(call->running_var[c] + call->eps);
-        call->mean[c] = call->running_mean[c];
-        call->rstd[c] = rstd;
-        call->shift[c] = call->running_mean[c];
-        call->center[c] = 0.0;
-        call->scale[c] = call->gamma ? rstd * call->gamma[c] : rstd;
-        call->offset[c] = call->beta ? call->beta[c] : 0.0;
-    }
+    fastln_bn_eval_constants_of(call->n_features, call->eps, call->running_mean,
+                                call->running_var, call->gamma, call->beta, call->mean,
+                                call->rstd, call->shift, call->center, call->scale, call->offset);
     if (call->float_constants) fastln_bn_float_constants(call);
 }
 
@@ -183,22 +225,42 @@ static inline void fastln_bn_eval_constants(const fastln_bn_call *call)
  *        = k * ((dy - mean_dy) - (d - correction) * coef)
  * Evaluation (the affine map): dx = dy * k with k = gamma * rstd, x_hat = d * rstd; the dx
  * constants mean_dy, correction and coef are 0. gamma may be NULL (ones). */
+static inline void fastln_bn_backward_constants_of(
+    int64_t n, double count, int training, const double *FASTLN_RESTRICT rstd_in,
+    const double *FASTLN_RESTRICT mean, const double *FASTLN_RESTRICT gamma,
+    const double *FASTLN_RESTRICT sum_dy, const double *FASTLN_RESTRICT sum_dy_d,
+    const double *FASTLN_RESTRICT sum_d, double *FASTLN_RESTRICT dgamma_out,
+    double *FASTLN_RESTRICT dx_mean, double *FASTLN_RESTRICT correction_out,
+    double *FASTLN_RESTRICT k, double *FASTLN_RESTRICT mean_dy, double *FASTLN_RESTRICT coef)
+{
+    for (int64_t c = 0; c < n; c++) {
+        /* Every value computed, then chosen (no branches: see fastln_choose). */
+        const double rstd = rstd_in[c];
+        const int infinite = fabs(rstd) == INFINITY;
+        const double batch_mean_d = sum_d[c] / count, batch_mean_dy = sum_dy[c] / count;
+        const double correction = fastln_choose(training, batch_mean_d, 0.0);
+        /* rstd = inf: a constant feature with eps = 0, whose x_hat is 0 (see the forward). */
+        const double dgamma_zero = 0.0 * sum_dy[c];
+        const double dgamma_finite = rstd * (sum_dy_d[c] - correction * sum_dy[c]);
+        const double dgamma = fastln_choose(infinite, dgamma_zero, dgamma_finite);
+        const double coef_value = rstd * dgamma / count;
+        dgamma_out[c] = dgamma;
+        dx_mean[c] = mean[c];
+        correction_out[c] = correction;
+        k[c] = rstd;
+        mean_dy[c] = fastln_choose(training, batch_mean_dy, 0.0);
+        coef[c] = fastln_choose(training & !infinite, coef_value, 0.0);
+    }
+    if (gamma)
+        for (int64_t c = 0; c < n; c++) k[c] = gamma[c] * rstd_in[c];
+}
+
 static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
 {
-    const double count = (double)(call->n_outer * call->n_inner);
-    for (int64_t c = 0; c < call->n_features; c++) {
-        const double rstd = call->rstd[c];
-        const double correction = call->training ? call->sum_d[c] / count : 0.0;
-        /* rstd = inf: a constant feature with eps = 0, whose x_hat is 0 (see the forward). */
-        const double dgamma = isinf(rstd) ? 0.0 * call->sum_dy[c]
-                                          : rstd * (call->sum_dy_d[c] - correction * call->sum_dy[c]);
-        call->dgamma[c] = dgamma;
-        call->dx_mean[c] = call->mean[c];
-        call->correction[c] = correction;
-        call->k[c] = call->gamma ? call->gamma[c] * rstd : rstd;
-        call->mean_dy[c] = call->training ? call->sum_dy[c] / count : 0.0;
-        call->coef[c] = call->training && !isinf(rstd) ? rstd * dgamma / count : 0.0;
-    }
+    fastln_bn_backward_constants_of(
+        call->n_features, (double)(call->n_outer * call->n_inner), call->training, call->rstd,
+        call->mean, call->gamma, call->sum_dy, call->sum_dy_d, call->sum_d, call->dgamma,
+        call->dx_mean, call->correction, call->k, call->mean_dy, call->coef);
 }
 
 /* The backward's float apply constants (fastln/backward.h, bn_backward_apply_rows_float), once
@@ -206,21 +268,67 @@ static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
  * pass's mean dx_mean + correction as a float head and tail, k, mean_dy and coef in float. A
  * feature with a constant outside float's comfortable range (not finite, beyond 1e30, or below
  * 1e-30 but not 0; the mean beyond 1e38) gets a NaN k: its elements are computed in double. */
+static inline void fastln_bn_backward_float_constants_of(
+    int64_t n, const double *FASTLN_RESTRICT dx_mean, const double *FASTLN_RESTRICT correction,
+    const double *FASTLN_RESTRICT k_in, const double *FASTLN_RESTRICT mean_dy_in,
+    const double *FASTLN_RESTRICT coef_in, float *FASTLN_RESTRICT head,
+    float *FASTLN_RESTRICT tail, float *FASTLN_RESTRICT k, float *FASTLN_RESTRICT mean_dy,
+    float *FASTLN_RESTRICT coef)
+{
+    for (int64_t c = 0; c < n; c++) {
+        const double mean = dx_mean[c] + correction[c];
+        const int in_range = isless(fabs(mean), 1e38) & fastln_bn_float_in_range(k_in[c], 1e30)
+                             & fastln_bn_float_in_range(mean_dy_in[c], 1e30)
+                             & fastln_bn_float_in_range(coef_in[c], 1e30);
+        fastln_bn_float_mean(mean, in_range, &head[c], &tail[c]);
+        const float k_value = (float)k_in[c], mean_dy_value = (float)mean_dy_in[c];
+        const float coef_value = (float)coef_in[c];
+        k[c] = fastln_choose_float(in_range, k_value, NAN);
+        mean_dy[c] = fastln_choose_float(in_range, mean_dy_value, 0.0f);
+        coef[c] = fastln_choose_float(in_range, coef_value, 0.0f);
+    }
+}
+
 static inline void fastln_bn_backward_float_constants(const fastln_bn_call *call)
 {
     const int64_t n = call->n_features;
-    float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
-    float *mean_dy = head + 3 * n, *coef = head + 4 * n;
-    for (int64_t c = 0; c < n; c++) {
-        const double mean = call->dx_mean[c] + call->correction[c];
-        const int in_range = fabs(mean) < 1e38 && fastln_bn_float_in_range(call->k[c], 1e30)
-                             && fastln_bn_float_in_range(call->mean_dy[c], 1e30)
-                             && fastln_bn_float_in_range(call->coef[c], 1e30);
-        fastln_bn_float_mean(mean, in_range, &head[c], &tail[c]);
-        k[c] = in_range ? (float)call->k[c] : NAN;
-        mean_dy[c] = in_range ? (float)call->mean_dy[c] : 0.0f;
-        coef[c] = in_range ? (float)call->coef[c] : 0.0f;
-    }
+    float *head = call->float_constants;
+    fastln_bn_backward_float_constants_of(n, call->dx_mean, call->correction, call->k,
+                                          call->mean_dy, call->coef, head, head + n,
+                                          head + 2 * n, head + 3 * n, head + 4 * n);
+}
+
+/* Whether any feature may need bn_rescale_backward (fastln/rare.h): rstd out of its range or a
+ * sum, dgamma or coef not finite (a superset of its tests, in one pass without branches, so
+ * that it runs in vectors: the common call, with no such feature, costs a fraction of the
+ * per-feature loop). */
+static inline int fastln_bn_backward_any_rare(int64_t n, const double *FASTLN_RESTRICT rstd,
+                                              const double *FASTLN_RESTRICT sum_dy,
+                                              const double *FASTLN_RESTRICT sum_dy_d,
+                                              const double *FASTLN_RESTRICT sum_d,
+                                              const double *FASTLN_RESTRICT dgamma,
+                                              const double *FASTLN_RESTRICT coef)
+{
+    int any = 0;
+    for (int64_t f = 0; f < n; f++)
+        any |= isgreater(rstd[f], FASTLN_BN_RSTD_HUGE) | isless(rstd[f], DBL_MIN)
+               | !isless(fabs(sum_dy[f]), INFINITY) | !isless(fabs(sum_dy_d[f]), INFINITY)
+               | !isless(fabs(sum_d[f]), INFINITY) | !isless(fabs(dgamma[f]), INFINITY)
+               | !isless(fabs(coef[f]), INFINITY);
+    return any;
+}
+
+/* Whether any feature may need bn_rescale_train (fastln/rare.h; its tests, in one pass without
+ * branches: see fastln_bn_backward_any_rare). */
+static inline int fastln_bn_train_any_rare(int64_t n, double eps,
+                                           const double *FASTLN_RESTRICT center,
+                                           const double *FASTLN_RESTRICT var)
+{
+    int any = 0;
+    for (int64_t f = 0; f < n; f++)
+        any |= !isless(fabs(center[f]), INFINITY) | !isless(fabs(var[f]), INFINITY)
+               | (isless(var[f], FASTLN_BN_TINY) & isless(eps, FASTLN_BN_TINY));
+    return any;
 }
 
 /* 1 / sqrt(var + eps) as rstd_scaled * 2^exponent, given var = var_scaled * 2^(-2 exponent):

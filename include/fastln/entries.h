@@ -240,6 +240,15 @@ static void FASTLN_NAME(bn_train_constants_task)(const void *opaque, int64_t beg
     if (call->float_constants) fastln_bn_float_constants(call);
 }
 
+/* The evaluation forward's constants from the running statistics (one task, so that they are
+ * computed in this variant's vectors). */
+static void FASTLN_NAME(bn_eval_constants_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    (void)begin;
+    (void)end;
+    fastln_bn_eval_constants(opaque);
+}
+
 static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_t end)
 {
     const fastln_bn_call *call = opaque;
@@ -316,6 +325,14 @@ static void FASTLN_NAME(bn_backward_sums_task)(const void *opaque, int64_t begin
     }
 }
 
+/* dgamma and dbeta of feature c, in the parameter type. */
+FASTLN_INLINE void FASTLN_NAME(bn_store_parameter_gradients)(const fastln_bn_call *call,
+                                                             int64_t c)
+{
+    ((FASTLN_P *)call->dgamma_out)[c] = (FASTLN_P)call->dgamma[c];
+    ((FASTLN_P *)call->dbeta_out)[c] = (FASTLN_P)call->sum_dy[c];
+}
+
 /* dgamma, dbeta and the dx constants from the block partials (and, training, the rare
  * features); dgamma and dbeta stored in the parameter type. */
 static void FASTLN_NAME(bn_backward_constants_task)(const void *opaque, int64_t begin,
@@ -334,11 +351,29 @@ static void FASTLN_NAME(bn_backward_constants_task)(const void *opaque, int64_t 
     *call->n_finish = 0;
     if (call->training) FASTLN_NAME(bn_rescale_backward)(call->dy, call->x, call);
     if (call->float_constants) fastln_bn_backward_float_constants(call);
-    FASTLN_P *dgamma = call->dgamma_out, *dbeta = call->dbeta_out;
-    for (int64_t c = 0; c < call->n_features; c++) {
-        dgamma[c] = (FASTLN_P)call->dgamma[c];
-        dbeta[c] = (FASTLN_P)call->sum_dy[c];
+    for (int64_t c = 0; c < call->n_features; c++)
+        FASTLN_NAME(bn_store_parameter_gradients)(call, c);
+}
+
+/* dx of one segment of the segments layout (write unit `unit`: segment unit / n_features of
+ * feature unit % n_features). */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_segment_unit)(const fastln_bn_call *call,
+                                                               int64_t unit)
+{
+    const FASTLN_T *dy = call->dy, *x = call->x;
+    FASTLN_T *dx = call->dx;
+    const int64_t c = unit % call->n_features, offset = unit * call->n_inner;
+#if FASTLN_COMPUTE_F32
+    if (call->float_constants) { /* set in the segments layout when training */
+        FASTLN_NAME(bn_backward_apply_segment_float)(dy + offset, x + offset, dx + offset,
+                                                     call->n_inner, call, c);
+        return;
     }
+#endif
+    FASTLN_NAME(bn_backward_apply_segment)(dy + offset, x + offset, dx + offset, call->n_inner,
+                                           call->training, call->dx_mean[c],
+                                           call->correction[c], call->k[c], call->mean_dy[c],
+                                           call->coef[c]);
 }
 
 static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begin, int64_t end)
@@ -347,34 +382,93 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
     for (int64_t unit = begin; unit < end; unit++) {
-        if (call->n_inner == 1) {
-            const int64_t start = unit * call->rows_per_unit;
-            const int64_t offset = start * call->n_features;
-            const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
-#if FASTLN_COMPUTE_F32
-            if (call->float_constants) {
-                FASTLN_NAME(bn_backward_apply_rows_float)(dy + offset, x + offset, dx + offset,
-                                                          n_rows, call);
-                continue;
-            }
-#endif
-            FASTLN_NAME(bn_backward_apply_rows)(
-                dy + offset, x + offset, dx + offset, n_rows, call->n_features, call->training,
-                call->dx_mean, call->correction, call->k, call->mean_dy, call->coef);
-        } else {
-            const int64_t c = unit % call->n_features, offset = unit * call->n_inner;
-#if FASTLN_COMPUTE_F32
-            if (call->float_constants) { /* set in the segments layout when training */
-                FASTLN_NAME(bn_backward_apply_segment_float)(dy + offset, x + offset,
-                                                             dx + offset, call->n_inner, call, c);
-                continue;
-            }
-#endif
-            FASTLN_NAME(bn_backward_apply_segment)(dy + offset, x + offset, dx + offset,
-                                                   call->n_inner, call->training,
-                                                   call->dx_mean[c], call->correction[c],
-                                                   call->k[c], call->mean_dy[c], call->coef[c]);
+        if (call->n_inner > 1) {
+            FASTLN_NAME(bn_backward_apply_segment_unit)(call, unit);
+            continue;
         }
+        const int64_t start = unit * call->rows_per_unit;
+        const int64_t offset = start * call->n_features;
+        const int64_t n_rows = fastln_min(call->rows_per_unit, call->n_outer - start);
+#if FASTLN_COMPUTE_F32
+        if (call->float_constants) {
+            FASTLN_NAME(bn_backward_apply_rows_float)(dy + offset, x + offset, dx + offset,
+                                                      n_rows, call);
+            continue;
+        }
+#endif
+        FASTLN_NAME(bn_backward_apply_rows)(dy + offset, x + offset, dx + offset, n_rows,
+                                            call->n_features, call->training, call->dx_mean,
+                                            call->correction, call->k, call->mean_dy,
+                                            call->coef);
+    }
+}
+
+/* The segments layout when each feature's values are one block (fastln_bn_layout, n_blocks =
+ * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values): a task takes its features
+ * through the backward's three phases - sums, constants, dx - one feature at a time, so that
+ * the dx pass finds dy and x in cache from the sums (the phases one after the other read them
+ * from memory twice). The bits are the phases': the same sums (added to a zero as
+ * fastln_bn_combine_partials adds the one block), the constants of the same per-feature loops,
+ * the same dx. A training feature that the rare path may need (fastln_bn_backward_any_rare)
+ * waits: bn_backward_waiting_task writes it after bn_rescale_backward. */
+static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t begin,
+                                                   int64_t end)
+{
+    const fastln_bn_call *call = opaque;
+    const int64_t n = call->n_features, n_inner = call->n_inner;
+    const double count = (double)(call->n_outer * n_inner);
+    float *head = call->float_constants;
+    for (int64_t c = begin; c < end; c++) {
+        double sum_dy, sum_dy_d, sum_d;
+        FASTLN_NAME(bn_backward_sums_segments)(
+            (const FASTLN_T *)call->dy + c * n_inner, (const FASTLN_T *)call->x + c * n_inner,
+            call->n_outer, n * n_inner, n_inner, call->mean[c], &sum_dy, &sum_dy_d, &sum_d);
+        call->sum_dy[c] = 0.0 + sum_dy;
+        call->sum_dy_d[c] = 0.0 + sum_dy_d;
+        call->sum_d[c] = 0.0 + sum_d;
+        fastln_bn_backward_constants_of(
+            1, count, call->training, call->rstd + c, call->mean + c,
+            call->gamma ? call->gamma + c : NULL, call->sum_dy + c, call->sum_dy_d + c,
+            call->sum_d + c, call->dgamma + c, call->dx_mean + c, call->correction + c,
+            call->k + c, call->mean_dy + c, call->coef + c);
+        if (call->training
+            && fastln_bn_backward_any_rare(1, call->rstd + c, call->sum_dy + c,
+                                           call->sum_dy_d + c, call->sum_d + c,
+                                           call->dgamma + c, call->coef + c)) {
+            call->waiting[c] = 1;
+            continue;
+        }
+        if (head)
+            fastln_bn_backward_float_constants_of(
+                1, call->dx_mean + c, call->correction + c, call->k + c, call->mean_dy + c,
+                call->coef + c, head + c, head + n + c, head + 2 * n + c, head + 3 * n + c,
+                head + 4 * n + c);
+        FASTLN_NAME(bn_store_parameter_gradients)(call, c);
+        for (int64_t k = 0; k < call->n_outer; k++)
+            FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * n + c);
+    }
+}
+
+/* After bn_backward_features_task: the waiting features, if any, through the rare path (as
+ * bn_backward_constants_task takes every feature there), then their dx. */
+static void FASTLN_NAME(bn_backward_waiting_task)(const void *opaque, int64_t begin,
+                                                  int64_t end)
+{
+    const fastln_bn_call *call = opaque;
+    (void)begin;
+    (void)end;
+    const int64_t n = call->n_features;
+    *call->n_finish = 0;
+    int64_t n_waiting = 0;
+    for (int64_t c = 0; c < n; c++) n_waiting += call->waiting[c];
+    if (n_waiting == 0) return;
+    FASTLN_NAME(bn_rescale_backward)(call->dy, call->x, call);
+    if (call->float_constants) fastln_bn_backward_float_constants(call);
+    for (int64_t c = 0; c < n; c++) {
+        if (!call->waiting[c]) continue;
+        FASTLN_NAME(bn_store_parameter_gradients)(call, c);
+        for (int64_t k = 0; k < call->n_outer; k++)
+            FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * n + c);
     }
 }
 
@@ -836,11 +930,14 @@ static const fastln_task FASTLN_NAME(tasks)[FASTLN_N_TASKS] = {
     [FASTLN_BN_FIRST_VALUES] = FASTLN_NAME(bn_first_values_task),
     [FASTLN_BN_STATISTICS] = FASTLN_NAME(bn_statistics_task),
     [FASTLN_BN_TRAIN_CONSTANTS] = FASTLN_NAME(bn_train_constants_task),
+    [FASTLN_BN_EVAL_CONSTANTS] = FASTLN_NAME(bn_eval_constants_task),
     [FASTLN_BN_APPLY] = FASTLN_NAME(bn_apply_task),
     [FASTLN_BN_FINISH_RESCALED] = FASTLN_NAME(bn_finish_rescaled_task),
     [FASTLN_BN_BACKWARD_SUMS] = FASTLN_NAME(bn_backward_sums_task),
     [FASTLN_BN_BACKWARD_CONSTANTS] = FASTLN_NAME(bn_backward_constants_task),
     [FASTLN_BN_BACKWARD_APPLY] = FASTLN_NAME(bn_backward_apply_task),
+    [FASTLN_BN_BACKWARD_FEATURES] = FASTLN_NAME(bn_backward_features_task),
+    [FASTLN_BN_BACKWARD_WAITING] = FASTLN_NAME(bn_backward_waiting_task),
     [FASTLN_BN_BACKWARD_FINISH_RESCALED] = FASTLN_NAME(bn_backward_finish_rescaled_task),
     [FASTLN_GN_FORWARD_GROUPS] = FASTLN_NAME(gn_forward_groups_task),
     [FASTLN_GN_STATISTICS] = FASTLN_NAME(gn_statistics_task),

@@ -50,11 +50,14 @@ enum {
     FASTLN_BN_FIRST_VALUES,             /* training forward: one task */
     FASTLN_BN_STATISTICS,               /*   statistics tasks */
     FASTLN_BN_TRAIN_CONSTANTS,          /*   one task */
+    FASTLN_BN_EVAL_CONSTANTS,           /* evaluation forward: one task */
     FASTLN_BN_APPLY,                    /* both modes: write units */
     FASTLN_BN_FINISH_RESCALED,          /* training, when *n_finish > 0: one task */
     FASTLN_BN_BACKWARD_SUMS,            /* backward: statistics tasks */
     FASTLN_BN_BACKWARD_CONSTANTS,       /*   one task */
     FASTLN_BN_BACKWARD_APPLY,           /*   write units */
+    FASTLN_BN_BACKWARD_FEATURES,        /*   or, segments in one block: features */
+    FASTLN_BN_BACKWARD_WAITING,         /*   then one task */
     FASTLN_BN_BACKWARD_FINISH_RESCALED, /*   when *n_finish > 0: one task */
     FASTLN_GN_FORWARD_GROUPS,           /* GroupNorm, channels first: groups */
     FASTLN_GN_STATISTICS,               /*   or, few groups: pieces (channels last: blocks) */
@@ -118,6 +121,7 @@ typedef struct {
                              * tail, k, mean_dy, coef (fastln_bn_backward_float_constants) */
     double *partials;
     int64_t *finish, *n_finish;
+    int64_t *waiting; /* bn_backward_features_task: 1 for the features the rare path may need */
 } fastln_bn_call;
 
 /* A GroupNorm: x is (n_samples, n_channels, n_spatial) (channels first, NCHW) or

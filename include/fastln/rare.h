@@ -314,6 +314,7 @@ static int FASTLN_NAME(bn_rescaled_moments)(const FASTLN_T *x, int64_t n_outer,
 static void FASTLN_NAME(bn_rescale_train)(const FASTLN_T *x, const fastln_bn_call *c)
 {
     *c->n_finish = 0;
+    if (!fastln_bn_train_any_rare(c->n_features, c->eps, c->center, c->var)) return;
     for (int64_t f = 0; f < c->n_features; f++) {
         /* center is NaN also when two slots' shifted sums overflowed to both infinities;
          * bn_rescaled_mean below tells that from a NaN or Inf in x */
@@ -419,6 +420,9 @@ static void FASTLN_NAME(bn_rescale_backward)(const FASTLN_T *dy, const FASTLN_T 
     const double count = (double)(c->n_outer * c->n_inner);
     const int64_t stride = c->n_features * c->n_inner;
     *c->n_finish = 0;
+    if (!fastln_bn_backward_any_rare(c->n_features, c->rstd, c->sum_dy, c->sum_dy_d, c->sum_d,
+                                     c->dgamma, c->coef))
+        return;
     for (int64_t f = 0; f < c->n_features; f++) {
         const double rstd = c->rstd[f];
         const int out_of_range = rstd > FASTLN_BN_RSTD_HUGE || rstd < DBL_MIN;

@@ -40,6 +40,34 @@
 #define FASTLN_UNROLL
 #endif
 
+/* condition ? a : b, chosen bit by bit. Both values are computed before the choice: a
+ * compiler will not compute a floating-point operation that might raise a flag (under the
+ * default -ftrapping-math) on the path that does not use it, so a ?: between two computed
+ * values stays a branch and keeps its loop out of vectors; this one never does. */
+static inline double fastln_choose(int condition, double a, double b)
+{
+    uint64_t bits_a, bits_b;
+    memcpy(&bits_a, &a, sizeof a);
+    memcpy(&bits_b, &b, sizeof b);
+    const uint64_t mask = (uint64_t)0 - (uint64_t)(condition != 0);
+    const uint64_t bits = (bits_a & mask) | (bits_b & ~mask);
+    double chosen;
+    memcpy(&chosen, &bits, sizeof chosen);
+    return chosen;
+}
+
+static inline float fastln_choose_float(int condition, float a, float b)
+{
+    uint32_t bits_a, bits_b;
+    memcpy(&bits_a, &a, sizeof a);
+    memcpy(&bits_b, &b, sizeof b);
+    const uint32_t mask = (uint32_t)0 - (uint32_t)(condition != 0);
+    const uint32_t bits = (bits_a & mask) | (bits_b & ~mask);
+    float chosen;
+    memcpy(&chosen, &bits, sizeof chosen);
+    return chosen;
+}
+
 /* Vector types, named for what they hold. Each instruction-set variant works in its native
  * width (fastln/isa.h): 16 floats and 8 doubles with AVX-512, 8 and 4 with AVX2, 4 and 2 with
  * SSE2. */

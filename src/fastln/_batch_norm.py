@@ -242,6 +242,12 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     >>> dx.ravel().round(4), dgamma.round(4), dbeta
     (array([ 0.1763, -0.2204,  0.0441]), array([-0.9258]), array([1.]))
     """
+    if type(cache) is BatchNormCache:
+        result = _kernels.batch_norm_backward_fast(dy, cache.x, cache.mean, cache.rstd,
+                                                   cache.axis, cache.dtype, cache.eps,
+                                                   cache.training, gamma, out, num_threads)
+        if result is not None:
+            return result
     dy = as_array(dy, "dy")
     cache = check_cache(cache, dy, "batch_norm")  # the checked copy: fields read only once
     dtype = cache.dtype

@@ -102,6 +102,7 @@ cdef extern from "fastln/kernels.h" nogil:
         double *partials
         int64_t *finish
         int64_t *n_finish
+        int64_t *waiting
 
     ctypedef struct fastln_gn_call:
         const void *x
@@ -129,8 +130,10 @@ cdef extern from "fastln/kernels.h" nogil:
         FASTLN_LAYER_NORM_FORWARD, FASTLN_RMS_NORM_FORWARD, FASTLN_ADD_LAYER_NORM_FORWARD
         FASTLN_ADD_RMS_NORM_FORWARD, FASTLN_LAYER_NORM_BACKWARD, FASTLN_RMS_NORM_BACKWARD
         FASTLN_COLUMN_SUMS, FASTLN_BN_FIRST_VALUES, FASTLN_BN_STATISTICS
-        FASTLN_BN_TRAIN_CONSTANTS, FASTLN_BN_APPLY, FASTLN_BN_FINISH_RESCALED
+        FASTLN_BN_TRAIN_CONSTANTS, FASTLN_BN_EVAL_CONSTANTS, FASTLN_BN_APPLY
+        FASTLN_BN_FINISH_RESCALED
         FASTLN_BN_BACKWARD_SUMS, FASTLN_BN_BACKWARD_CONSTANTS, FASTLN_BN_BACKWARD_APPLY
+        FASTLN_BN_BACKWARD_FEATURES, FASTLN_BN_BACKWARD_WAITING
         FASTLN_BN_BACKWARD_FINISH_RESCALED, FASTLN_WIDEN, FASTLN_NARROW
         FASTLN_GN_FORWARD_GROUPS, FASTLN_GN_STATISTICS, FASTLN_GN_FINISH_STATISTICS
         FASTLN_GN_APPLY, FASTLN_GN_FINISH_RARE, FASTLN_GN_BACKWARD_SUMS
@@ -145,7 +148,6 @@ cdef extern from "fastln/kernels.h" nogil:
     fastln_task fastln_task_for(int isa, int storage, int task)
     int64_t fastln_row_blocks(int64_t n_rows)
     void fastln_bn_layout(fastln_bn_call *call, int64_t max_blocks)
-    void fastln_bn_eval_constants(const fastln_bn_call *call)
     void fastln_gn_layout(fastln_gn_call *call, int backward)
     int64_t fastln_gn_piece_tasks(const fastln_gn_call *call, int backward)
     int64_t fastln_gn_partials(const fastln_gn_call *call, int backward)
@@ -466,6 +468,7 @@ cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
     call.dgamma_out = call.dbeta_out = NULL
     call.dx_mean = NULL
     call.float_constants = NULL
+    call.waiting = NULL
     fastln_bn_layout(call, FASTLN_MAX_BLOCKS)
 
 
@@ -522,7 +525,7 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
                  n_elements, num_threads)
             _run(_task(storage, FASTLN_BN_TRAIN_CONSTANTS), &call, 1, 0, 1)
         else:
-            fastln_bn_eval_constants(&call)
+            _run(_task(storage, FASTLN_BN_EVAL_CONSTANTS), &call, 1, 0, 1)
         _run(_task(storage, FASTLN_BN_APPLY), &call, call.n_units, n_elements, num_threads)
         if call.n_finish[0] > 0:
             _run(_task(storage, FASTLN_BN_FINISH_RESCALED), &call, 1, 0, 1)
@@ -548,11 +551,12 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.dgamma_out = cnp.PyArray_DATA(dgamma)
     call.dbeta_out = cnp.PyArray_DATA(dbeta)
     # sum_dy, sum_dy_d, sum_d, dgamma, correction, k, mean_dy, coef, dx_mean, then the rare
-    # features' indices and their count, then (float32-compute types; in the segments layout
-    # training only, evaluation's dx = dy * k being written in double there) the float dx
-    # pass's five float constants per feature, in the room of three doubles
+    # features' indices and the waiting flags (int64, as wide as a double) and the indices'
+    # count, then (float32-compute types; in the segments layout training only, evaluation's
+    # dx = dy * k being written in double there) the float dx pass's five float constants per
+    # feature, in the room of three doubles
     cdef bint float_apply = storage != FASTLN_FLOAT64 and (n_inner == 1 or training)
-    cdef double *scratch = <double*>calloc(10 * n_features + 1 + (3 * n_features if float_apply
+    cdef double *scratch = <double*>calloc(11 * n_features + 1 + (3 * n_features if float_apply
                                                                     else 0), sizeof(double))
     call.partials = <double*>calloc(3 * call.n_blocks * n_features, sizeof(double))
     if scratch == NULL or call.partials == NULL:
@@ -569,16 +573,23 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     call.coef = _features(scratch, n_features, 7)
     call.dx_mean = _features(scratch, n_features, 8)
     call.finish = <int64_t*>_features(scratch, n_features, 9)
-    call.n_finish = <int64_t*>_features(scratch, n_features, 10)
+    call.waiting = <int64_t*>_features(scratch, n_features, 10)
+    call.n_finish = <int64_t*>_features(scratch, n_features, 11)
     if float_apply:
-        call.float_constants = <float*>(_features(scratch, n_features, 10) + 1)
+        call.float_constants = <float*>(_features(scratch, n_features, 11) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
     with nogil:
-        _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), &call, call.n_blocks * call.n_chunks,
-             n_elements, num_threads)
-        _run(_task(storage, FASTLN_BN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
-        _run(_task(storage, FASTLN_BN_BACKWARD_APPLY), &call, call.n_units, n_elements,
-             num_threads)
+        if n_inner > 1 and call.n_blocks == 1:
+            # each feature's phases at once, while its values are in cache
+            _run(_task(storage, FASTLN_BN_BACKWARD_FEATURES), &call, n_features, n_elements,
+                 num_threads)
+            _run(_task(storage, FASTLN_BN_BACKWARD_WAITING), &call, 1, 0, 1)
+        else:
+            _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), &call, call.n_blocks * call.n_chunks,
+                 n_elements, num_threads)
+            _run(_task(storage, FASTLN_BN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
+            _run(_task(storage, FASTLN_BN_BACKWARD_APPLY), &call, call.n_units, n_elements,
+                 num_threads)
         if call.n_finish[0] > 0:
             _run(_task(storage, FASTLN_BN_BACKWARD_FINISH_RESCALED), &call, 1, 0, 1)
     free(scratch)
@@ -1216,6 +1227,48 @@ def batch_norm_forward_fast(object x, object gamma, object beta, object running_
         _update_running(<cnp.ndarray>running_mean, <double>momentum, mean)
         _update_running(<cnp.ndarray>running_var, <double>momentum, var)
     return y, mean, rstd, feature_axis
+
+
+def batch_norm_backward_fast(object dy, object x, object mean, object rstd, object axis,
+                             object dtype, object eps, object training, object gamma,
+                             object out, object num_threads):
+    """(dx, dgamma, dbeta) of BatchNorm's backward when the cache's fields (x, mean, rstd, axis,
+    dtype, eps, training) are as batch_norm_forward made them and the arguments are
+    kernel-ready; None when the call needs the general path (fastln/_batch_norm.py), which
+    holds every rule and message."""
+    cdef _FastRows rows
+    if (not _fast_rows(x, num_threads, &rows) or type(axis) is not int
+            or not 0 <= axis < rows.ndim or type(training) is not bool
+            or not _is_fast_eps(eps) or dtype is None or not _is_cache_dtype(dtype, x)
+            or not _is_kernel_array(dy, rows.typenum)
+            or not _same_shape(<cnp.ndarray>dy, <cnp.ndarray>x)):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef Py_ssize_t feature_axis = <Py_ssize_t>axis
+    if cnp.PyArray_SIZE(x_array) == 0:
+        return None
+    cdef Py_ssize_t n_features = cnp.PyArray_DIM(x_array, feature_axis)
+    cdef Py_ssize_t n_outer = 1, n_inner = 1, d
+    for d in range(feature_axis):
+        n_outer *= cnp.PyArray_DIM(x_array, d)
+    for d in range(feature_axis + 1, rows.ndim):
+        n_inner *= cnp.PyArray_DIM(x_array, d)
+    if (mean is None or rstd is None or not _is_param(mean, cnp.NPY_FLOAT64, n_features)
+            or not _is_param(rstd, cnp.NPY_FLOAT64, n_features)
+            or not _is_param(gamma, rows.param_typenum, n_features)):
+        return None
+    # dx may be dy or x itself (in place).
+    if (not _is_fast_out(out, x_array) or _overlaps(out, gamma) or _overlaps(out, mean)
+            or _overlaps(out, rstd) or _clobbers(out, dy) or _clobbers(out, x)):
+        return None
+    dx = out if out is not None else _new_like(x_array, rows.typenum)
+    cdef cnp.npy_intp shape = n_features
+    dgamma = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
+    dbeta = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
+    batch_norm_backward(<cnp.ndarray>dy, x_array, dx, dgamma, dbeta, n_outer, n_features,
+                        n_inner, _as_float64(gamma), mean, rstd, <bint>training, <double>eps,
+                        rows.storage, rows.threads)
+    return dx, dgamma, dbeta
 
 
 def storage_code(cnp.dtype dtype):
