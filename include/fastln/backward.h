@@ -1410,14 +1410,32 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
  *     x_hat = ((x - mean) - correction) * rstd,
  *     dx = rstd * ((gamma_c * dy - mean(dx_hat)) - x_hat * mean(dx_hat * x_hat)). */
 
-/* The three sums over n values of one channel (channels first), in LayerNorm's slot order:
- * dy and d are formed as the LayerNorm backward's first pass forms them (ln_backward_add_block,
- * without gamma), the last block padded with dy = 0 and x = mean. sums: sum(dy), sum(dy * d),
- * sum(d). */
+/* The three sums over n values of one channel (channels first), in LayerNorm's slot order and
+ * by its backward's first pass (ln_backward_first_pass, without gamma): in float runs for the
+ * float32-compute types when they hold, else in double (ln_backward_add_block), the last block
+ * padded with dy = 0 and x = mean. sums: sum(dy), sum(dy * d), sum(d). */
 FASTLN_OUTLINED void FASTLN_NAME(gn_backward_sums)(const FASTLN_T *dy, const FASTLN_T *x,
                                                  int64_t n, double mean, double sums[3])
 {
     const int64_t n_whole = n - n % FASTLN_SLOTS;
+#if FASTLN_COMPUTE_F32
+    /* The float32-compute types: LayerNorm's float runs (ln_backward_float_slots, without
+     * gamma), by its rule - they stand when the sums are finite and floats_hold - else the
+     * double pass below. */
+    {
+        FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and a gamma of 1 */
+        if (n_whole < n)
+            FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
+        double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, floats_padded, (float)mean, n,
+                                             dy_slots, dy_d_slots, d_slots);
+        sums[0] = fastln_reduce_slots(dy_slots);
+        sums[1] = fastln_reduce_slots(dy_d_slots);
+        sums[2] = fastln_reduce_slots(d_slots);
+        if (isfinite(sums[0]) && isfinite(sums[2]) && FASTLN_NAME(floats_hold)(dy, n, sums[1]))
+            return;
+    }
+#endif
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy and x (gamma unused) */
     if (n_whole < n)
         for (int k = 0; k < FASTLN_SLOTS; k++) {
