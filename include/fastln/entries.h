@@ -404,10 +404,10 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
 }
 
 /* The segments layout when each feature's values are one block (fastln_bn_layout, n_blocks =
- * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values): a task takes its features
- * through the backward's three phases - sums, constants, dx - one feature at a time, so that
- * the dx pass finds dy and x in cache from the sums (the phases one after the other read them
- * from memory twice). The bits are the phases': the same sums (added to a zero as
+ * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values, or one sample): a task takes its
+ * features through the backward's three phases - sums, constants, dx - one feature at a time,
+ * so that the dx pass finds dy and x in cache from the sums (the phases one after the other
+ * read them from memory twice). The bits are the phases': the same sums (added to a zero as
  * fastln_bn_combine_partials adds the one block), the constants of the same per-feature loops,
  * the same dx. A training feature that the rare path may need (fastln_bn_backward_any_rare)
  * waits: bn_backward_waiting_task writes it after bn_rescale_backward. */
