@@ -403,6 +403,15 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
     }
 }
 
+/* dgamma and dbeta of segments-layout feature c, then its dx, segment after segment. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_finish_feature)(const fastln_bn_call *call,
+                                                           int64_t c)
+{
+    FASTLN_NAME(bn_store_parameter_gradients)(call, c);
+    for (int64_t k = 0; k < call->n_outer; k++)
+        FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * call->n_features + c);
+}
+
 /* The segments layout when each feature's values are one block (fastln_bn_layout, n_blocks =
  * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values, or one sample): a task takes its
  * features through the backward's three phases - sums, constants, dx - one feature at a time,
@@ -443,9 +452,7 @@ static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t b
                 1, call->dx_mean + c, call->correction + c, call->k + c, call->mean_dy + c,
                 call->coef + c, head + c, head + n + c, head + 2 * n + c, head + 3 * n + c,
                 head + 4 * n + c);
-        FASTLN_NAME(bn_store_parameter_gradients)(call, c);
-        for (int64_t k = 0; k < call->n_outer; k++)
-            FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * n + c);
+        FASTLN_NAME(bn_backward_finish_feature)(call, c);
     }
 }
 
@@ -464,12 +471,8 @@ static void FASTLN_NAME(bn_backward_waiting_task)(const void *opaque, int64_t be
     if (n_waiting == 0) return;
     FASTLN_NAME(bn_rescale_backward)(call->dy, call->x, call);
     if (call->float_constants) fastln_bn_backward_float_constants(call);
-    for (int64_t c = 0; c < n; c++) {
-        if (!call->waiting[c]) continue;
-        FASTLN_NAME(bn_store_parameter_gradients)(call, c);
-        for (int64_t k = 0; k < call->n_outer; k++)
-            FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * n + c);
-    }
+    for (int64_t c = 0; c < n; c++)
+        if (call->waiting[c]) FASTLN_NAME(bn_backward_finish_feature)(call, c);
 }
 
 static void FASTLN_NAME(bn_backward_finish_rescaled_task)(const void *opaque, int64_t begin,

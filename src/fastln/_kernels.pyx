@@ -1177,6 +1177,19 @@ cdef void _update_running(cnp.ndarray running, double momentum, cnp.ndarray batc
                           else momentum * double_[c] + weight * stat[c])
 
 
+cdef inline void _feature_layout(cnp.ndarray x, Py_ssize_t feature_axis, Py_ssize_t *n_outer,
+                                 Py_ssize_t *n_features, Py_ssize_t *n_inner) noexcept:
+    """x as a C-order (n_outer, n_features, n_inner) block around its feature axis (the general
+    path's feature_layout)."""
+    cdef Py_ssize_t d
+    n_outer[0] = n_inner[0] = 1
+    n_features[0] = cnp.PyArray_DIM(x, feature_axis)
+    for d in range(feature_axis):
+        n_outer[0] *= cnp.PyArray_DIM(x, d)
+    for d in range(feature_axis + 1, cnp.PyArray_NDIM(x)):
+        n_inner[0] *= cnp.PyArray_DIM(x, d)
+
+
 def batch_norm_forward_fast(object x, object gamma, object beta, object running_mean,
                             object running_var, object training, object momentum, object eps,
                             object axis, object out, object num_threads):
@@ -1193,12 +1206,8 @@ def batch_norm_forward_fast(object x, object gamma, object beta, object running_
     cdef Py_ssize_t feature_axis = <Py_ssize_t>axis + (rows.ndim if axis < 0 else 0)
     if cnp.PyArray_SIZE(x_array) == 0:
         return None
-    cdef Py_ssize_t n_features = cnp.PyArray_DIM(x_array, feature_axis)
-    cdef Py_ssize_t n_outer = 1, n_inner = 1, d
-    for d in range(feature_axis):
-        n_outer *= cnp.PyArray_DIM(x_array, d)
-    for d in range(feature_axis + 1, rows.ndim):
-        n_inner *= cnp.PyArray_DIM(x_array, d)
+    cdef Py_ssize_t n_outer, n_features, n_inner
+    _feature_layout(x_array, feature_axis, &n_outer, &n_features, &n_inner)
     cdef bint train = training
     if (not _is_param(gamma, rows.param_typenum, n_features)
             or not _is_param(beta, rows.param_typenum, n_features)
@@ -1244,15 +1253,10 @@ def batch_norm_backward_fast(object dy, object x, object mean, object rstd, obje
             or not _same_shape(<cnp.ndarray>dy, <cnp.ndarray>x)):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef Py_ssize_t feature_axis = <Py_ssize_t>axis
     if cnp.PyArray_SIZE(x_array) == 0:
         return None
-    cdef Py_ssize_t n_features = cnp.PyArray_DIM(x_array, feature_axis)
-    cdef Py_ssize_t n_outer = 1, n_inner = 1, d
-    for d in range(feature_axis):
-        n_outer *= cnp.PyArray_DIM(x_array, d)
-    for d in range(feature_axis + 1, rows.ndim):
-        n_inner *= cnp.PyArray_DIM(x_array, d)
+    cdef Py_ssize_t n_outer, n_features, n_inner
+    _feature_layout(x_array, <Py_ssize_t>axis, &n_outer, &n_features, &n_inner)
     if (mean is None or rstd is None or not _is_param(mean, cnp.NPY_FLOAT64, n_features)
             or not _is_param(rstd, cnp.NPY_FLOAT64, n_features)
             or not _is_param(gamma, rows.param_typenum, n_features)):
