@@ -255,6 +255,29 @@ def test_group_far_from_its_first_value_is_centred_again():
         assert np.abs(y - exact).max() < 5e-6 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("image", ["top rows apart", "gradient", "one bright pixel"])
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+@pytest.mark.parametrize("shape", [(1, 64, 64, 512), (2, 40, 40, 64), (1, 300, 7, 6)])
+def test_channels_last_images_whose_first_rows_are_not_typical(image, offset, shape):
+    """Channels last, the float32 statistics take each block's shift from its first rows and
+    sum it again when its mean is far from them; either way float32 stays within 5e-7 of
+    float64."""
+    rng = np.random.default_rng(15)
+    x = offset + rng.standard_normal(shape)
+    rows = np.arange(shape[1]).reshape(1, -1, 1, 1)
+    if image == "top rows apart":
+        x = x + np.where(rows < 2, 40.0, 0.0)
+    elif image == "gradient":
+        x = x + np.linspace(-30.0, 30.0, shape[1]).reshape(1, -1, 1, 1)
+    else:
+        x[0, shape[1] // 2, shape[2] // 2, :] += 1e3
+    x = x.astype(np.float32)
+    num_groups = 2 if shape[-1] == 6 else 32
+    y = fastln.group_norm(x, num_groups, channel_axis=-1)
+    exact = reference.group_norm(x.astype(np.float64), num_groups, channel_axis=-1)
+    assert np.abs(y - exact).max() <= 5e-7 * max(1.0, np.abs(exact).max())
+
+
 # ---------------------------------------------------------------------------------------------
 # float16 and bfloat16: the float32 computation on the widened values, rounded once
 # ---------------------------------------------------------------------------------------------

@@ -116,6 +116,28 @@ def test_batch_norm_gives_the_same_bits_in_every_variant(dtype, shape, axis, tra
         _same_bits(results[BASELINE], results[variant])
 
 
+@pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs only the baseline variant: there "
+                                              "is no other to compare it with")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape, num_groups, channel_axis",
+                         [((2, 6, 9, 7), 3, 1), ((2, 33, 17, 96), 32, -1), ((1, 70, 3, 20), 4, -1),
+                          ((2, 5, 5, 512), 32, -1)])
+def test_group_norm_gives_the_same_bits_in_every_variant(dtype, shape, num_groups, channel_axis):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(shape) + 1e4
+    x.reshape(-1)[7] = np.inf  # a rare group beside ordinary ones
+    x, dy = x.astype(dtype), rng.standard_normal(shape).astype(dtype)
+
+    def outputs():
+        y, cache = fastln.group_norm_forward(x, num_groups, channel_axis=channel_axis,
+                                             num_threads=2)
+        return [y, cache.mean, cache.rstd, *fastln.group_norm_backward(dy, cache, num_threads=2)]
+
+    results = _in_each_variant(outputs)
+    for variant in VARIANTS[1:]:
+        _same_bits(results[BASELINE], results[variant])
+
+
 def test_the_variant_in_use_is_the_best_this_cpu_runs():
     assert _kernels.instruction_set() == VARIANTS[-1]
     with pytest.raises(ValueError, match="instruction set"):

@@ -267,7 +267,7 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
 #if FASTLN_COMPUTE_F32
             if (head) {
                 FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call->n_features,
-                                                 &k);
+                                                 &k, 0);
                 continue;
             }
 #endif
@@ -587,14 +587,19 @@ static void FASTLN_NAME(gn_statistics_task)(const void *opaque, int64_t begin, i
                                        call->partials + 2 * call->n_pieces * ng);
             continue;
         }
-        /* Each block shifts a channel by its group's first value (spatial position 0). */
         double *shift = call->partials + 3 * C * task;
+        int64_t n_rows;
+        const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+#if FASTLN_COMPUTE_F32
+        FASTLN_NAME(gn_float_block)(x + offset, n_rows, C, per_group, shift, shift + C,
+                                    shift + 2 * C);
+#else
+        /* Each block shifts a channel by its group's first value (spatial position 0). */
         const FASTLN_T *first_row = x + task / call->n_pieces * call->n_spatial * C;
         for (int64_t c = 0; c < C; c++)
             shift[c] = FASTLN_NAME(to_double)(first_row[c / per_group * per_group]);
-        int64_t n_rows;
-        const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
         FASTLN_NAME(bn_stats_rows)(x + offset, n_rows, C, C, shift, shift + C, shift + 2 * C);
+#endif
     }
 }
 
@@ -618,28 +623,15 @@ static void FASTLN_NAME(gn_finish_statistics_task)(const void *opaque, int64_t b
         }
         const int64_t n = ng / call->n_groups, first = (ng % call->n_groups) * per_group;
         const double *blocks = call->partials + 3 * C * n * call->n_pieces;
-        /* Each channel's block sums in block order, then the channels' in channel order; the
-         * blocks are read one after the other for up to CHUNK channels at a time (a channel's
-         * sums are 3 * C doubles apart from block to block). */
-        enum { CHUNK = 64 };
-        double sum = 0.0, sumsq = 0.0;
-        for (int64_t chunk = first; chunk < first + per_group; chunk += CHUNK) {
-            const int64_t width = fastln_min(CHUNK, first + per_group - chunk);
-            double channel_sum[CHUNK] = {0}, channel_sumsq[CHUNK] = {0};
-            for (int64_t b = 0; b < call->n_pieces; b++) {
-                const double *block = blocks + 3 * C * b + chunk;
-                for (int64_t k = 0; k < width; k++) {
-                    channel_sum[k] += block[C + k];
-                    channel_sumsq[k] += block[2 * C + k];
-                }
-            }
-            for (int64_t k = 0; k < width; k++) {
-                sum += channel_sum[k];
-                sumsq += channel_sumsq[k];
-            }
-        }
-        if (!fastln_gn_statistics_from_sums(blocks[first], sum, sumsq, (double)size, call->eps,
-                                            &stats)) {
+#if FASTLN_COMPUTE_F32
+        const int held = fastln_gn_float_block_statistics(blocks, C, call->n_pieces, call->piece,
+                                                          call->n_spatial, first, per_group,
+                                                          call->eps, &stats);
+#else
+        const int held = fastln_gn_block_statistics(blocks, C, call->n_pieces, first, per_group,
+                                                    (double)size, call->eps, &stats);
+#endif
+        if (!held) {
             int64_t offset;
             const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
             FASTLN_NAME(gn_view_statistics)(x + offset, &view, call->eps, &stats);
@@ -672,10 +664,10 @@ FASTLN_INLINE int FASTLN_NAME(gn_sample_has_rare)(const fastln_gn_call *call, in
 
 /* Channels last: channels [first, first + width) of sample n's rows (n_rows rows of width
  * values, width apart), with their write constants: in float for the float32-compute types
- * (bn_apply_rows_float), in double for float64. */
+ * (bn_apply_rows_float, y with non-temporal stores when streaming), in double for float64. */
 FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, int64_t n,
                                                   int64_t first, int64_t width, const FASTLN_T *x,
-                                                  FASTLN_T *y, int64_t n_rows)
+                                                  FASTLN_T *y, int64_t n_rows, int streaming)
 {
     const int64_t n_channel_values = call->n_samples * call->n_channels;
     const double *shift = call->channel_scratch + n * call->n_channels + first;
@@ -685,8 +677,9 @@ FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, in
     const float *head = fastln_gn_float_constants(call) + n * call->n_channels + first;
     const fastln_rows_constants k = {head, head + n_channel_values, head + 2 * n_channel_values,
                                      head + 3 * n_channel_values, shift, center, scale, offset};
-    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k);
+    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, streaming);
 #else
+    (void)streaming;
     FASTLN_NAME(bn_apply_rows)(x, y, n_rows, width, shift, center, scale, offset);
 #endif
 }
@@ -711,7 +704,11 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
         int64_t n_rows;
         const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
         if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
-            FASTLN_NAME(gn_apply_channels)(call, n, 0, C, x + offset, y + offset, n_rows);
+            /* Non-temporal stores need every row 16-byte aligned. */
+            const int streaming = call->streaming && fastln_is_aligned16(y + offset)
+                                  && C * (int64_t)sizeof(FASTLN_T) % 16 == 0;
+            FASTLN_NAME(gn_apply_channels)(call, n, 0, C, x + offset, y + offset, n_rows,
+                                           streaming);
             continue;
         }
         /* A sample with a rare group: its other groups one by one, each as above. */
@@ -720,7 +717,7 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
                 if (call->rare[n * call->n_groups + g]) continue;
                 const int64_t at = offset + r * C + g * per_group;
                 FASTLN_NAME(gn_apply_channels)(call, n, g * per_group, per_group, x + at, y + at,
-                                               1);
+                                               1, 0);
             }
     }
 }

@@ -392,12 +392,12 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_store_float_by_element)(
  * rows layout, 0 in a segment). */
 FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, FASTLN_VF v,
                                                const fastln_rows_constants *k, int64_t c,
-                                               int64_t feature_step)
+                                               int64_t feature_step, int streaming)
 {
     if (__builtin_expect(FASTLN_ISA(any_not_finite)(v), 0))
         FASTLN_NAME(bn_store_float_by_element)(x, y, v, k, c, feature_step);
     else
-        FASTLN_NAME(store_c)(y, v);
+        FASTLN_NAME(store_c_to)(y, v, streaming);
 }
 
 /* The rows layout in float for the float32-compute types, as LayerNorm's float write pass:
@@ -406,10 +406,12 @@ FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, F
  * u32 of the double computation. Each element whose float result is Inf or NaN (every element
  * of a feature whose constants float cannot hold: its scale is NaN) is computed in double
  * instead, from its x (not yet overwritten when y is x): the rule is per element, so a
- * feature's results never depend on its neighbours. */
-FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_T *y,
-                                                     int64_t n_rows, int64_t n,
-                                                     const fastln_rows_constants *k)
+ * feature's results never depend on its neighbours. With streaming set, y (16-byte aligned,
+ * and so each row) goes out with non-temporal stores. */
+FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN_T *y,
+                                                      int64_t n_rows, int64_t n,
+                                                      const fastln_rows_constants *k,
+                                                      const int streaming)
 {
     const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
     for (int64_t r = 0; r < n_rows; r++) {
@@ -422,7 +424,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
                  - FASTLN_ISA(load_f32)(tail + c))
                     * FASTLN_ISA(load_f32)(scale + c)
                 + FASTLN_ISA(load_f32)(offset + c);
-            FASTLN_NAME(bn_store_float)(row + c, out + c, v, k, c, 1);
+            FASTLN_NAME(bn_store_float)(row + c, out + c, v, k, c, 1, streaming);
         }
         for (; c < n; c++) {
             const float v = ((FASTLN_NAME(to_compute)(row[c]) - head[c]) - tail[c]) * scale[c]
@@ -430,6 +432,18 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
             out[c] = FASTLN_NAME(bn_apply_element)(row[c], v, k, c);
         }
     }
+    if (streaming) fastln_streaming_fence();
+}
+
+FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_T *y,
+                                                     int64_t n_rows, int64_t n,
+                                                     const fastln_rows_constants *k,
+                                                     int streaming)
+{
+    if (streaming)
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, 1);
+    else
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, 0);
 }
 #endif
 
@@ -445,7 +459,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment_float)(const FASTLN_T *x, FAST
     int64_t l = 0;
     for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
         const FASTLN_VF v = ((FASTLN_NAME(load_c)(x + l) - head) - tail) * scale + offset;
-        FASTLN_NAME(bn_store_float)(x + l, y + l, v, k, c, 0);
+        FASTLN_NAME(bn_store_float)(x + l, y + l, v, k, c, 0, 0);
     }
     for (; l < n_inner; l++) {
         const float v = ((FASTLN_NAME(to_compute)(x[l]) - head) - tail) * scale + offset;

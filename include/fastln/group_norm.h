@@ -9,13 +9,15 @@
  * slot order; the backward sums each channel's n_spatial values in pieces of the same size.
  * Channels last (NHWC), each spatial position holds a row of every group's channels: a sample
  * is cut into blocks of spatial rows, and each block sums each channel down its rows in row
- * order, as BatchNorm's rows layout does. Either way the pieces' (blocks') sums are added in
+ * order (float64 as BatchNorm's rows layout does; the float32-compute types in float runs,
+ * fastln/statistics.h). Either way the pieces' (blocks') sums are added in
  * piece order: the layout is a function of the shape alone, so the results are identical for
  * every thread count and every batch, also when a call has fewer groups than threads (the
  * pieces then go to the threads). */
 #ifndef FASTLN_GROUP_NORM_H
 #define FASTLN_GROUP_NORM_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -23,6 +25,10 @@
  * group of an image the size of a diffusion UNet's first stage ([1, 128, 256, 256] in 32
  * groups: 262144 values) still makes work for several threads. */
 #define FASTLN_GN_PIECE 32768
+
+/* Channels last, the float32-compute types: the rows of a float run (fastln/statistics.h,
+ * gn_float_block_sums). 16 rows of 512 float32 channels fit L1 as a chunk is read down them. */
+#define FASTLN_GN_FLOAT_RUN 16
 
 /* The doubles a group keeps in group_scratch: the forward's fastln_ln_stats fields (shift,
  * mean_shifted, var, rstd, rstd_scaled, exponent, mean, center, prescale, rare), the backward's
@@ -109,6 +115,97 @@ static inline int fastln_gn_statistics_from_sums(double shift, double sum, doubl
     stats->shift = shift;
     stats->mean_shifted = mean_shifted;
     stats->mean = shift + mean_shifted;
+    stats->var = var;
+    stats->rstd = stats->rstd_scaled = 1.0 / sqrt(var + eps);
+    stats->center = 0.0;
+    stats->exponent = stats->prescale = stats->rare = 0;
+    return 1;
+}
+
+/* A channels-last group's statistics from its blocks' double sums around its first value
+ * (float64): each channel's block sums in block order, then the channels' in channel order; the
+ * blocks are read one after the other for up to CHUNK channels at a time (a channel's sums are
+ * 3 * C doubles apart from block to block). 1 and *stats filled as
+ * fastln_gn_statistics_from_sums does; 0 when the group needs the careful path. */
+static inline int fastln_gn_block_statistics(const double *blocks, int64_t C, int64_t n_blocks,
+                                             int64_t first, int64_t per_group, double size,
+                                             double eps, fastln_ln_stats *stats)
+{
+    enum { CHUNK = 64 };
+    double sum = 0.0, sumsq = 0.0;
+    for (int64_t chunk = first; chunk < first + per_group; chunk += CHUNK) {
+        const int64_t width = fastln_min(CHUNK, first + per_group - chunk);
+        double channel_sum[CHUNK] = {0}, channel_sumsq[CHUNK] = {0};
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const double *block = blocks + 3 * C * b + chunk;
+            for (int64_t k = 0; k < width; k++) {
+                channel_sum[k] += block[C + k];
+                channel_sumsq[k] += block[2 * C + k];
+            }
+        }
+        for (int64_t k = 0; k < width; k++) {
+            sum += channel_sum[k];
+            sumsq += channel_sumsq[k];
+        }
+    }
+    return fastln_gn_statistics_from_sums(blocks[first], sum, sumsq, size, eps, stats);
+}
+
+/* Whether a block's float sums of a group (sum(d), sum(d * d) over n values) keep their
+ * relative accuracy in the block's variance: its mean near the shift, as for a LayerNorm row
+ * (ln_float_statistics_from_sums). A block equal to its shift (0, 0) holds. */
+static inline int fastln_gn_block_holds(double sum, double sumsq, double n)
+{
+    const double mean_shifted = sum / n;
+    return isfinite(sum) && sumsq < INFINITY
+           && mean_shifted * mean_shifted
+                  <= FASTLN_MAX_FLOAT_CANCELLATION * (sumsq / n - mean_shifted * mean_shifted);
+}
+
+/* A channels-last group's statistics from its blocks' float sums (blocks[3 * C * b]: shifts,
+ * sums, sums of squares; block b holds min(block_rows, n_spatial - b * block_rows) rows): each
+ * block's mean and sum of squared deviations, combined in block order by the pairwise update
+ * (Chan, Golub and LeVeque) in double, which has no cancellation whatever the group's offset. 1 and *stats filled when
+ * every block holds (fastln_gn_block_holds), the sums are finite, the squares are not near
+ * float's underflow (sum(d * d) >= n * FLT_MIN) and the variance is not tiny with an eps as
+ * tiny; 0 when the group needs the careful path (gn_view_statistics). */
+static inline int fastln_gn_float_block_statistics(const double *blocks, int64_t C,
+                                                  int64_t n_blocks, int64_t block_rows,
+                                                  int64_t n_spatial, int64_t first,
+                                                  int64_t per_group, double eps,
+                                                  fastln_ln_stats *stats)
+{
+    double count = 0.0, mean = 0.0, squares = 0.0, all_sumsq = 0.0;
+    int holds = 1;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const double *block = blocks + 3 * C * b;
+        const double n = (double)(fastln_min(block_rows, n_spatial - b * block_rows) * per_group);
+        double sum = 0.0, sumsq = 0.0;
+        for (int64_t c = first; c < first + per_group; c++) {
+            sum += block[C + c];
+            sumsq += block[2 * C + c];
+        }
+        holds &= fastln_gn_block_holds(sum, sumsq, n);
+        all_sumsq += sumsq;
+        const double block_mean = block[first] + sum / n;
+        const double block_squares = fmax(sumsq - sum * (sum / n), 0.0);
+        if (b == 0) {
+            count = n;
+            mean = block_mean;
+            squares = block_squares;
+            continue;
+        }
+        const double total = count + n, delta = block_mean - mean;
+        mean += delta * (n / total);
+        squares += block_squares + delta * delta * (count * n / total);
+        count = total;
+    }
+    const double var = squares / count;
+    if (!holds || !isfinite(mean) || !isfinite(var) || !(all_sumsq >= count * FLT_MIN)
+        || (var < FASTLN_TINY && eps < FASTLN_TINY))
+        return 0;
+    stats->shift = stats->mean = mean;
+    stats->mean_shifted = 0.0;
     stats->var = var;
     stats->rstd = stats->rstd_scaled = 1.0 / sqrt(var + eps);
     stats->center = 0.0;

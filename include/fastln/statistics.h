@@ -573,7 +573,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_stats_segments)(
  * Channels first, a group is a contiguous run of n values (fastln/group_norm.h): its pieces are
  * summed as LayerNorm sums a row (float32-compute types in float runs around the mean of the
  * run's first block, float64 in double around the run's first value); channels last, its
- * blocks are summed with BatchNorm's bn_stats_rows (entries.h). */
+ * blocks are summed in float runs (below) for the float32-compute types, and with BatchNorm's
+ * bn_stats_rows (entries.h) for float64. */
 
 /* The shift of a channels-first run of n values: the one LayerNorm's first try takes for it. */
 FASTLN_INLINE double FASTLN_NAME(gn_shift)(const FASTLN_T *x, int64_t n)
@@ -625,3 +626,135 @@ FASTLN_INLINE void FASTLN_NAME(gn_run_statistics)(const FASTLN_T *x, int64_t n,
 #endif
         FASTLN_NAME(ln_statistics)(x, n, eps, stats);
 }
+
+#if FASTLN_COMPUTE_F32
+/* ---- GroupNorm channels last, the float32-compute types ------------------------------------
+ * A block (fastln/group_norm.h) sums each channel down its rows in float runs of
+ * FASTLN_GN_FLOAT_RUN rows around its group's block shift, each run's float partial added to
+ * the channel's double sum; the groups' statistics then come from the blocks' sums
+ * (fastln_gn_float_block_statistics, fastln/group_norm.h). A run's partial holds at most FASTLN_GN_FLOAT_RUN terms, whatever
+ * the group's size or offset. */
+
+/* A float near each group's mean over a block of n_rows rows of C channels, into shift[c] for
+ * every channel of the group: the mean, in double, of the group's values in the block's first
+ * k rows (k * per_group >= FASTLN_SLOTS where the block has the rows): rows the sums read next,
+ * where rows spread over the block would each come from memory alone. A block whose mean is
+ * far from its first rows is summed again (gn_float_block). */
+FASTLN_INLINE void FASTLN_NAME(gn_block_shifts)(const FASTLN_T *x, int64_t n_rows, int64_t C,
+                                                int64_t per_group, double *shift)
+{
+    const int64_t k_rows = fastln_min((FASTLN_SLOTS + per_group - 1) / per_group, n_rows);
+    for (int64_t c = 0; c < C; c++) shift[c] = 0.0;
+    for (int64_t k = 0; k < k_rows; k++) {
+        const FASTLN_T *row = x + k * C;
+        for (int64_t c = 0; c < C; c++) shift[c] += FASTLN_NAME(to_double)(row[c]);
+    }
+    for (int64_t first = 0; first < C; first += per_group) {
+        double total = 0.0;
+        for (int64_t c = first; c < first + per_group; c++) total += shift[c];
+        const float mean = (float)(total / (double)(k_rows * per_group));
+        for (int64_t c = first; c < first + per_group; c++) shift[c] = (double)mean;
+    }
+}
+
+/* One float run (n_rows <= FASTLN_GN_FLOAT_RUN rows) of n_vectors float vectors' worth of
+ * channels from c on, added to (first_run: stored in) the channels' double sums. */
+FASTLN_INLINE void FASTLN_NAME(gn_float_run_chunk)(
+    const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows, int64_t row_stride, int64_t c,
+    const int n_vectors, const double *FASTLN_RESTRICT shift, double *FASTLN_RESTRICT sum,
+    double *FASTLN_RESTRICT sumsq, int first_run)
+{
+    float shift_f[4 * FASTLN_VF_LANES];
+    for (int k = 0; k < n_vectors * FASTLN_VF_LANES; k++) shift_f[k] = (float)shift[c + k];
+    FASTLN_VF sh[4], s[4] = {0}, q[4] = {0};
+    FASTLN_UNROLL
+    for (int j = 0; j < n_vectors; j++) sh[j] = FASTLN_ISA(load_f32)(shift_f + j * FASTLN_VF_LANES);
+    for (int64_t r = 0; r < n_rows; r++) {
+        FASTLN_UNROLL
+        for (int j = 0; j < n_vectors; j++) {
+            const FASTLN_T *at = x + r * row_stride + c + j * FASTLN_VF_LANES;
+            /* the same place in the next run's rows, which this chunk reads next: read down
+             * the rows, the chunks leave the hardware's prefetchers behind */
+            if (j * FASTLN_VF_LANES * (int)sizeof(FASTLN_T) % 64 == 0)
+                __builtin_prefetch(at + FASTLN_GN_FLOAT_RUN * row_stride, 0, 3);
+            const FASTLN_VF d = FASTLN_NAME(load_c)(at) - sh[j];
+            s[j] += d;
+            q[j] += d * d;
+        }
+    }
+    FASTLN_UNROLL
+    for (int j = 0; j < n_vectors; j++) {
+        const int64_t at = c + j * FASTLN_VF_LANES;
+        FASTLN_VD s_low = FASTLN_ISA(widen_low)(s[j]), s_high = FASTLN_ISA(widen_high)(s[j]);
+        FASTLN_VD q_low = FASTLN_ISA(widen_low)(q[j]), q_high = FASTLN_ISA(widen_high)(q[j]);
+        if (!first_run) {
+            s_low += FASTLN_ISA(load_f64)(sum + at);
+            s_high += FASTLN_ISA(load_f64)(sum + at + FASTLN_VD_LANES);
+            q_low += FASTLN_ISA(load_f64)(sumsq + at);
+            q_high += FASTLN_ISA(load_f64)(sumsq + at + FASTLN_VD_LANES);
+        }
+        FASTLN_ISA(store_f64)(sum + at, s_low);
+        FASTLN_ISA(store_f64)(sum + at + FASTLN_VD_LANES, s_high);
+        FASTLN_ISA(store_f64)(sumsq + at, q_low);
+        FASTLN_ISA(store_f64)(sumsq + at + FASTLN_VD_LANES, q_high);
+    }
+}
+
+/* sum[c] and sumsq[c] (stored, not added to) of d = x[r, c] - shift[c] in float, over a block
+ * of n_rows rows of C channels, in float runs of FASTLN_GN_FLOAT_RUN rows. Channels never mix:
+ * the vector width changes nothing. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_float_block_sums)(
+    const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows, int64_t C,
+    const double *FASTLN_RESTRICT shift, double *FASTLN_RESTRICT sum,
+    double *FASTLN_RESTRICT sumsq)
+{
+    for (int64_t first = 0; first < n_rows; first += FASTLN_GN_FLOAT_RUN) {
+        const FASTLN_T *rows = x + first * C;
+        const int64_t n = fastln_min(FASTLN_GN_FLOAT_RUN, n_rows - first);
+        int64_t c = 0;
+        for (; c + 4 * FASTLN_VF_LANES <= C; c += 4 * FASTLN_VF_LANES)
+            FASTLN_NAME(gn_float_run_chunk)(rows, n, C, c, 4, shift, sum, sumsq, first == 0);
+        for (; c + FASTLN_VF_LANES <= C; c += FASTLN_VF_LANES)
+            FASTLN_NAME(gn_float_run_chunk)(rows, n, C, c, 1, shift, sum, sumsq, first == 0);
+        for (; c < C; c++) {
+            const float sh = (float)shift[c];
+            float s = 0.0f, q = 0.0f;
+            for (int64_t r = 0; r < n; r++) {
+                const float d = FASTLN_NAME(to_compute)(rows[r * C + c]) - sh;
+                s += d;
+                q += d * d;
+            }
+            sum[c] = first == 0 ? (double)s : sum[c] + (double)s;
+            sumsq[c] = first == 0 ? (double)q : sumsq[c] + (double)q;
+        }
+    }
+}
+
+/* A block's sums of d = x - shift: each group's, over its channels in channel order. For every
+ * group whose sums do not hold (fastln_gn_block_holds), the block is summed once more with that
+ * group's shift moved to float(shift + mean(d)). */
+FASTLN_INLINE void FASTLN_NAME(gn_float_block)(const FASTLN_T *x, int64_t n_rows, int64_t C,
+                                               int64_t per_group, double *shift, double *sum,
+                                               double *sumsq)
+{
+    FASTLN_NAME(gn_block_shifts)(x, n_rows, C, per_group, shift);
+    FASTLN_NAME(gn_float_block_sums)(x, n_rows, C, shift, sum, sumsq);
+    const double n = (double)(n_rows * per_group);
+    int again = 0;
+    for (int64_t first = 0; first < C; first += per_group) {
+        double group_sum = 0.0, group_sumsq = 0.0;
+        for (int64_t c = first; c < first + per_group; c++) {
+            group_sum += sum[c];
+            group_sumsq += sumsq[c];
+        }
+        if (!isfinite(group_sum) || !(group_sumsq < INFINITY)
+            || fastln_gn_block_holds(group_sum, group_sumsq, n))
+            continue;
+        const float moved = (float)(shift[first] + group_sum / n);
+        for (int64_t c = first; c < first + per_group; c++) shift[c] = (double)moved;
+        again = 1;
+    }
+    if (again) FASTLN_NAME(gn_float_block_sums)(x, n_rows, C, shift, sum, sumsq);
+}
+
+#endif
