@@ -785,3 +785,42 @@ def test_cache_attributes():
     assert cache.mean.dtype == cache.rstd.dtype == np.float64
     assert_close(cache.mean, x.mean(axis=(0, 2)))
     assert "BatchNormCache" in repr(cache)
+
+
+def _misaligned_like(a):
+    """An array like a whose data is 16-byte misaligned (one element off), which the kernels
+    write with ordinary stores; a itself, from NumPy's allocator, is aligned."""
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + a.itemsize
+    return raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("training", [True, False])
+def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training):
+    """Inputs of 4 MiB and more write y and dx with non-temporal stores where the rows are
+    16-byte aligned; the values are those of the ordinary stores."""
+    rng = np.random.default_rng(31)
+    shape = (2100, 1000) if dtype == np.float32 else (4200, 1000)
+    x = (rng.standard_normal(shape) * 2 + 30).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    x[5, 7] = np.inf
+    gamma = rng.standard_normal(shape[1]).astype(np.float32)
+    beta = rng.standard_normal(shape[1]).astype(np.float32)
+    results = []
+    for make in (np.empty_like, _misaligned_like):
+        y, dx = make(x), make(x)
+        assert (y.ctypes.data % 16 == 0) == (make is np.empty_like)
+        running_mean, running_var = np.zeros(shape[1]), np.ones(shape[1])
+        _, cache = fastln.batch_norm_forward(x, gamma, beta, running_mean, running_var,
+                                             training=training, out=y)
+        fastln.batch_norm_backward(dy, cache, gamma, out=dx)
+        results.append((y.copy(), dx.copy()))
+    for streamed, ordinary in zip(*results):
+        assert np.array_equal(streamed.view(np.uint16), ordinary.view(np.uint16))
+    y = results[0][0].astype(np.float64)
+    expected = reference.batch_norm(x.astype(np.float64), gamma, beta, np.zeros(shape[1]),
+                                    np.ones(shape[1]), training=training)
+    finite = np.isfinite(expected)
+    assert np.allclose(y[finite], expected[finite], rtol=2e-3 if dtype == np.float16 else 1e-5,
+                       atol=2e-3 if dtype == np.float16 else 1e-5)

@@ -1295,12 +1295,12 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_store_by_element)(
 FASTLN_INLINE void FASTLN_NAME(bn_backward_store_float)(const FASTLN_T *dy, const FASTLN_T *x,
                                                         FASTLN_T *dx, FASTLN_VF v,
                                                         const fastln_bn_call *call, int64_t c,
-                                                        int64_t feature_step)
+                                                        int64_t feature_step, int streaming)
 {
     if (__builtin_expect(FASTLN_ISA(any_not_finite)(v), 0))
         FASTLN_NAME(bn_backward_store_by_element)(dy, x, dx, v, call, c, feature_step);
     else
-        FASTLN_NAME(store_c)(dx, v);
+        FASTLN_NAME(store_c_to)(dx, v, streaming);
 }
 
 /* The rows layout's dx pass in float for the float32-compute types (the forward's rule,
@@ -1309,9 +1309,9 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_store_float)(const FASTLN_T *dy, cons
  * (fastln_bn_backward_float_constants); each element whose float result is not finite, and
  * every element of a feature whose constants float cannot hold (k is NaN), is computed in
  * double from its dy and x (the vector is not stored yet, also when dx is dy). */
-FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
+FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
     const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
-    const fastln_bn_call *call)
+    const fastln_bn_call *call, const int streaming)
 {
     const int64_t n = call->n_features;
     const float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
@@ -1334,7 +1334,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
             } else {
                 v = g * FASTLN_ISA(load_f32)(k + c);
             }
-            FASTLN_NAME(bn_backward_store_float)(dy_row + c, x_row + c, dx_row + c, v, call, c, 1);
+            FASTLN_NAME(bn_backward_store_float)(dy_row + c, x_row + c, dx_row + c, v, call, c, 1,
+                                                 streaming);
         }
         for (; c < n; c++) {
             const float g = FASTLN_NAME(to_compute)(dy_row[c]);
@@ -1348,6 +1349,19 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
             dx_row[c] = FASTLN_NAME(bn_backward_element)(dy_row[c], x_row[c], v, call, c);
         }
     }
+    if (streaming) fastln_streaming_fence();
+}
+
+/* With streaming set, dx (16-byte aligned, and so each row) goes out with non-temporal
+ * stores. */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
+    const fastln_bn_call *call, int streaming)
+{
+    if (streaming)
+        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, 1);
+    else
+        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, 0);
 }
 #endif
 
@@ -1368,7 +1382,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment_float)(
     for (; l + FASTLN_VF_LANES <= n_inner; l += FASTLN_VF_LANES) {
         const FASTLN_VF centred = (FASTLN_NAME(load_c)(x + l) - head) - tail;
         const FASTLN_VF v = k * ((FASTLN_NAME(load_c)(dy + l) - mean_dy) - centred * coef);
-        FASTLN_NAME(bn_backward_store_float)(dy + l, x + l, dx + l, v, call, c, 0);
+        FASTLN_NAME(bn_backward_store_float)(dy + l, x + l, dx + l, v, call, c, 0, 0);
     }
     for (; l < n_inner; l++) {
         const float centred = (FASTLN_NAME(to_compute)(x[l]) - head) - tail;

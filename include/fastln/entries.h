@@ -258,6 +258,9 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
     const float *head = call->float_constants;
     const fastln_rows_constants k =
         head ? fastln_bn_rows_constants(call) : (fastln_rows_constants){0};
+    /* Non-temporal stores need every row 16-byte aligned. */
+    const int rows_aligned = fastln_is_aligned16(y)
+                             && call->n_features * (int64_t)sizeof(FASTLN_T) % 16 == 0;
 #endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner == 1) {
@@ -267,7 +270,7 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
 #if FASTLN_COMPUTE_F32
             if (head) {
                 FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call->n_features,
-                                                 &k, 0);
+                                                 &k, call->streaming && rows_aligned);
                 continue;
             }
 #endif
@@ -381,6 +384,11 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
     const fastln_bn_call *call = opaque;
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
+#if FASTLN_COMPUTE_F32
+    /* Non-temporal stores need every row 16-byte aligned. */
+    const int streaming = call->streaming && fastln_is_aligned16(dx)
+                          && call->n_features * (int64_t)sizeof(FASTLN_T) % 16 == 0;
+#endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner > 1) {
             FASTLN_NAME(bn_backward_apply_segment_unit)(call, unit);
@@ -392,7 +400,7 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
 #if FASTLN_COMPUTE_F32
         if (call->float_constants) {
             FASTLN_NAME(bn_backward_apply_rows_float)(dy + offset, x + offset, dx + offset,
-                                                      n_rows, call);
+                                                      n_rows, call, streaming);
             continue;
         }
 #endif

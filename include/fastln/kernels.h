@@ -104,6 +104,7 @@ typedef struct {
     int64_t n_outer, n_features, n_inner;
     double eps;
     int training;
+    int streaming; /* the rows layout's y (dx): non-temporal stores where rows are aligned */
     const double *gamma, *beta;               /* or NULL */
     const double *running_mean, *running_var; /* evaluation forward */
     double *mean, *var, *rstd;                /* the statistics normalized with (var: training) */

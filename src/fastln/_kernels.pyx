@@ -73,6 +73,7 @@ cdef extern from "fastln/kernels.h" nogil:
         int64_t n_outer, n_features, n_inner
         double eps
         int training
+        int streaming
         const double *gamma
         const double *beta
         const double *running_mean
@@ -235,11 +236,14 @@ def set_default_num_threads(int num_threads):
 # Below MIN_ELEMENTS_FOR_THREADS elements a call runs on the calling thread: handing parts to a
 # worker costs more than the work (see docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
 # and more are written with non-temporal stores: below, the output would still have been in
-# cache.
+# cache. GroupNorm and BatchNorm's rows layout stream y (dx) from smaller inputs, of
+# GN_MIN_BYTES_FOR_STREAMING and BN_MIN_BYTES_FOR_STREAMING, where that measured faster
+# (docs/performance.md).
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     GN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
+    BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
 
 
 cdef inline fastln_task _task(int storage, int task) noexcept nogil:
@@ -463,6 +467,7 @@ cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
     call.n_inner = n_inner
     call.eps = eps
     call.training = training
+    call.streaming = cnp.PyArray_NBYTES(x) >= BN_MIN_BYTES_FOR_STREAMING
     call.gamma = <const double*>_data(gamma)
     call.beta = call.running_mean = call.running_var = NULL
     call.dgamma_out = call.dbeta_out = NULL
