@@ -1065,6 +1065,61 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
     FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc, 0);
 }
 
+/* The three sums over a contiguous run of n values (a GroupNorm channel, a BatchNorm segment),
+ * in LayerNorm's slot order and by its backward's first pass (ln_backward_first_pass, without
+ * gamma): in float runs for the
+ * float32-compute types when they hold, else in double (ln_backward_add_block), the last block
+ * padded with dy = 0 and x = mean. sums: sum(dy), sum(dy * d), sum(d). */
+FASTLN_OUTLINED void FASTLN_NAME(run_backward_sums)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                  int64_t n, double mean, double sums[3])
+{
+    const int64_t n_whole = n - n % FASTLN_SLOTS;
+#if FASTLN_COMPUTE_F32
+    /* The float32-compute types: LayerNorm's float runs (ln_backward_float_slots, without
+     * gamma), by its rule - they stand when the sums are finite and floats_hold - else the
+     * double pass below. */
+    {
+        FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and a gamma of 1 */
+        if (n_whole < n)
+            FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
+        double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, floats_padded, (float)mean, n,
+                                             dy_slots, dy_d_slots, d_slots);
+        sums[0] = fastln_reduce_slots(dy_slots);
+        sums[1] = fastln_reduce_slots(dy_d_slots);
+        sums[2] = fastln_reduce_slots(d_slots);
+        if (isfinite(sums[0]) && isfinite(sums[2]) && FASTLN_NAME(floats_hold)(dy, n, sums[1]))
+            return;
+    }
+#endif
+    FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy and x (gamma unused) */
+    if (n_whole < n)
+        for (int k = 0; k < FASTLN_SLOTS; k++) {
+            const int inside = n_whole + k < n;
+            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
+            padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k])
+                                              : (FASTLN_C)mean;
+            padded[2 * FASTLN_SLOTS + k] = 1;
+        }
+    double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
+    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
+        FASTLN_VD sum_dy[FASTLN_PASS_VECTORS] = {0}, sum_dy_d[FASTLN_PASS_VECTORS] = {0};
+        FASTLN_VD sum_d[FASTLN_PASS_VECTORS] = {0};
+        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
+            FASTLN_NAME(ln_backward_add_block)(dy, x, NULL, NULL, i + first, mean, sum_dy,
+                                               sum_dy_d, sum_d);
+        if (n_whole < n)
+            FASTLN_NAME(ln_backward_add_block)(NULL, NULL, NULL, padded, first, mean, sum_dy,
+                                               sum_dy_d, sum_d);
+        memcpy(dy_slots + first, sum_dy, sizeof sum_dy);
+        memcpy(dy_d_slots + first, sum_dy_d, sizeof sum_dy_d);
+        memcpy(d_slots + first, sum_d, sizeof sum_d);
+    }
+    sums[0] = fastln_reduce_slots(dy_slots);
+    sums[1] = fastln_reduce_slots(dy_d_slots);
+    sums[2] = fastln_reduce_slots(d_slots);
+}
+
 /* ---- BatchNorm ------------------------------------------------------------------------------
  * Sums of dy, dy * d and d per feature, d = x - mean (in double: mean is the batch mean, not a
  * value of x), then dx feature by feature with the constants of fastln_bn_backward_constants. */
@@ -1423,60 +1478,6 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_segment)(
  * per group the constants of fastln_gn_backward_group, then dx value by value:
  *     x_hat = ((x - mean) - correction) * rstd,
  *     dx = rstd * ((gamma_c * dy - mean(dx_hat)) - x_hat * mean(dx_hat * x_hat)). */
-
-/* The three sums over n values of one channel (channels first), in LayerNorm's slot order and
- * by its backward's first pass (ln_backward_first_pass, without gamma): in float runs for the
- * float32-compute types when they hold, else in double (ln_backward_add_block), the last block
- * padded with dy = 0 and x = mean. sums: sum(dy), sum(dy * d), sum(d). */
-FASTLN_OUTLINED void FASTLN_NAME(gn_backward_sums)(const FASTLN_T *dy, const FASTLN_T *x,
-                                                 int64_t n, double mean, double sums[3])
-{
-    const int64_t n_whole = n - n % FASTLN_SLOTS;
-#if FASTLN_COMPUTE_F32
-    /* The float32-compute types: LayerNorm's float runs (ln_backward_float_slots, without
-     * gamma), by its rule - they stand when the sums are finite and floats_hold - else the
-     * double pass below. */
-    {
-        FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and a gamma of 1 */
-        if (n_whole < n)
-            FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
-        double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
-        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, floats_padded, (float)mean, n,
-                                             dy_slots, dy_d_slots, d_slots);
-        sums[0] = fastln_reduce_slots(dy_slots);
-        sums[1] = fastln_reduce_slots(dy_d_slots);
-        sums[2] = fastln_reduce_slots(d_slots);
-        if (isfinite(sums[0]) && isfinite(sums[2]) && FASTLN_NAME(floats_hold)(dy, n, sums[1]))
-            return;
-    }
-#endif
-    FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy and x (gamma unused) */
-    if (n_whole < n)
-        for (int k = 0; k < FASTLN_SLOTS; k++) {
-            const int inside = n_whole + k < n;
-            padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
-            padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k])
-                                              : (FASTLN_C)mean;
-            padded[2 * FASTLN_SLOTS + k] = 1;
-        }
-    double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
-    for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
-        FASTLN_VD sum_dy[FASTLN_PASS_VECTORS] = {0}, sum_dy_d[FASTLN_PASS_VECTORS] = {0};
-        FASTLN_VD sum_d[FASTLN_PASS_VECTORS] = {0};
-        for (int64_t i = 0; i < n_whole; i += FASTLN_SLOTS)
-            FASTLN_NAME(ln_backward_add_block)(dy, x, NULL, NULL, i + first, mean, sum_dy,
-                                               sum_dy_d, sum_d);
-        if (n_whole < n)
-            FASTLN_NAME(ln_backward_add_block)(NULL, NULL, NULL, padded, first, mean, sum_dy,
-                                               sum_dy_d, sum_d);
-        memcpy(dy_slots + first, sum_dy, sizeof sum_dy);
-        memcpy(dy_d_slots + first, sum_dy_d, sizeof sum_dy_d);
-        memcpy(d_slots + first, sum_d, sizeof sum_d);
-    }
-    sums[0] = fastln_reduce_slots(dy_slots);
-    sums[1] = fastln_reduce_slots(dy_d_slots);
-    sums[2] = fastln_reduce_slots(d_slots);
-}
 
 /* The backward's constants of one group of n values from its channels' sums (sum(dy),
  * sum(dy * d) and sum(d) of channel c at sum_dy[c * stride] and likewise; gamma from the group's

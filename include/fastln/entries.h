@@ -761,8 +761,9 @@ static void FASTLN_NAME(gn_backward_sums_task)(const void *opaque, int64_t begin
             const int64_t nc = task / call->n_pieces, p = task % call->n_pieces;
             const int64_t ng = nc / C * call->n_groups + nc % C / per_group;
             const int64_t at = nc * S + p * call->piece;
-            FASTLN_NAME(gn_backward_sums)(dy + at, x + at, fastln_min(call->piece, S - p * call->piece),
-                                          (double)mean[ng], call->partials + 3 * task);
+            FASTLN_NAME(run_backward_sums)(dy + at, x + at,
+                                           fastln_min(call->piece, S - p * call->piece),
+                                           (double)mean[ng], call->partials + 3 * task);
             continue;
         }
         double *channel_mean = call->partials + 4 * C * task;
