@@ -366,6 +366,30 @@ def test_large_offsets(rng, dtype, offset, axis):
     assert_close(dx, exact_dx, dtype=dtype, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e4, 1e5])
+@pytest.mark.parametrize("segment", [125, 200, 1000])
+def test_large_offsets_in_long_segments(rng, offset, segment):
+    """float32 segments of 128 values and more sum the backward in float runs around the float
+    nearest each feature's mean (shorter ones in double slots, as 125 here): as exact as the
+    rows layout at every offset."""
+    m, n_features = 2000, 6
+    offsets = offset * (1 + np.arange(n_features))
+    x = (offsets + rng.standard_normal((m, n_features))).astype(np.float32)
+    dy = rng.standard_normal((m, n_features)).astype(np.float32)
+    exact_y, exact_dx = _exact_batch_norm(x, dy)
+    x_in = np.ascontiguousarray(x.T).reshape(n_features, m // segment, segment)
+    dy_in = np.ascontiguousarray(dy.T).reshape(n_features, m // segment, segment)
+    _, cache = fastln.batch_norm_forward(x_in, training=True, axis=0)
+    dx, dgamma, dbeta = fastln.batch_norm_backward(dy_in, cache)
+    dx = dx.reshape(n_features, m).T
+    tolerance = 8 * np.finfo(np.float32).eps
+    assert_close(dx, exact_dx, dtype=np.float32, rtol=tolerance, atol=tolerance)
+    exact_dbeta = dy.astype(np.float64).sum(axis=0)
+    exact_dgamma = (dy.astype(np.float64) * exact_y).sum(axis=0)
+    assert np.allclose(dbeta, exact_dbeta, rtol=1e-6, atol=1e-6 * np.abs(exact_dbeta).max())
+    assert np.allclose(dgamma, exact_dgamma, rtol=1e-6, atol=1e-6 * np.abs(exact_dgamma).max())
+
+
 # ---------------------------------------------------------------------------------------------
 # Extreme float64 ranges (issue 7): features whose squares overflow or underflow in float64
 # ---------------------------------------------------------------------------------------------

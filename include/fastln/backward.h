@@ -1235,12 +1235,48 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_add_block)(
     }
 }
 
-/* Segments layout, one feature (slot order as bn_stats_segments). */
+#if FASTLN_COMPUTE_F32
+/* Segments layout, one feature, in float runs segment by segment (bn_backward_sums_segments). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_segments)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
+    int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,
+    double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
+{
+    const float shift = (float)mean;
+    const double moved = (double)shift - mean;
+    double total[3] = {0.0, 0.0, 0.0};
+    for (int64_t k = 0; k < n_segments; k++) {
+        double sums[3];
+        FASTLN_NAME(run_backward_sums)(dy + k * stride, x + k * stride, n_inner, (double)shift,
+                                       sums);
+        for (int i = 0; i < 3; i++) total[i] += sums[i];
+    }
+    *sum_dy_out = total[0];
+    *sum_dy_d_out = total[1] + moved * total[0];
+    *sum_d_out = total[2] + moved * (double)(n_segments * n_inner);
+}
+#endif
+
+/* Segments layout, one feature: the float32-compute types' long segments in float runs,
+ * the rest in bn_stats_segments' slot order. */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_segments)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
     int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,
     double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
 {
+#if FASTLN_COMPUTE_F32
+    /* The float32-compute types, segments of FASTLN_BN_FLOAT_SEGMENT values or more: each
+     * segment's sums as a run's (run_backward_sums: float runs where they hold), added in
+     * segment order. The runs take d = x - shift around the float nearest the mean; the sums
+     * are moved to the mean itself in double (shift - mean is exact), as the dx constants take
+     * them. Shorter segments stay in the slots below: a run's padding and reductions cost more
+     * than their values. */
+    if (n_inner >= FASTLN_BN_FLOAT_SEGMENT) {
+        FASTLN_NAME(bn_backward_float_segments)(dy, x, n_segments, stride, n_inner, mean,
+                                                sum_dy_out, sum_dy_d_out, sum_d_out);
+        return;
+    }
+#endif
     const int64_t n_whole = n_inner - n_inner % FASTLN_SLOTS;
     double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {

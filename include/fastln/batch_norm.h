@@ -37,6 +37,9 @@
  * bn_backward_sums_rows; at 4096x768 float32 groups of 8 took 0.65-0.77x the time of row by row,
  * groups of 16 0.77-0.86x). */
 #define FASTLN_BN_BACKWARD_ROW_GROUP 8
+/* The backward's segments (NCHW) sums go in float runs, segment by segment, for segments of
+ * this many values or more (fastln/backward.h, bn_backward_sums_segments). */
+#define FASTLN_BN_FLOAT_SEGMENT 128
 
 /* The rare path takes a feature again when its variance and eps are both below this (its
  * squares may have underflowed; LayerNorm's FASTLN_TINY), and in the backward when rstd is above
