@@ -848,3 +848,20 @@ def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training)
     finite = np.isfinite(expected)
     assert np.allclose(y[finite], expected[finite], rtol=2e-3 if dtype == np.float16 else 1e-5,
                        atol=2e-3 if dtype == np.float16 else 1e-5)
+
+
+@pytest.mark.parametrize("axis", [-1, 0], ids=["rows", "segments"])
+def test_backward_products_below_float_range(axis):
+    """float32 x of 1e-20 and dy of 1e-25: dy * d is below float's range, so the float runs'
+    sums cannot hold and the feature is summed in double; dgamma keeps float32 accuracy."""
+    rng = np.random.default_rng(33)
+    x = (rng.standard_normal((600, 4)) * 1e-20).astype(np.float32)
+    dy = (rng.standard_normal((600, 4)) * 1e-25).astype(np.float32)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    x_hat = (x64 - x64.mean(axis=0)) / x64.std(axis=0)
+    exact_dgamma = (dy64 * x_hat).sum(axis=0)
+    if axis == 0:
+        x, dy = np.ascontiguousarray(x.T).reshape(4, 3, 200), np.ascontiguousarray(dy.T).reshape(4, 3, 200)
+    _, cache = fastln.batch_norm_forward(x, training=True, eps=0.0, axis=axis)
+    _, dgamma, _ = fastln.batch_norm_backward(dy, cache)
+    assert np.allclose(dgamma, exact_dgamma, rtol=1e-6, atol=1e-6 * np.abs(exact_dgamma).max())

@@ -1204,6 +1204,114 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_rows)(
     }
 }
 
+#if FASTLN_COMPUTE_F32
+/* Rows layout, the float32-compute types: the three sums in float runs of
+ * FASTLN_BN_BACKWARD_ROW_GROUP rows around shift[c] = the float nearest mean[c], each run's
+ * partial added to the feature's double sums (fastln_bn_backward_move_sums then moves them to
+ * the mean; bn_backward_rows_hold sends a feature they cannot hold to the double loop). The
+ * features' chunks of three float vectors keep their 12 partials and shifts in AVX2's 16
+ * registers. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_float_chunk)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
+    int64_t row_stride, int64_t c, const int n_vectors, const double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
+    double *FASTLN_RESTRICT sum_d)
+{
+    float shift_f[3 * FASTLN_VF_LANES];
+    for (int k = 0; k < n_vectors * FASTLN_VF_LANES; k++) shift_f[k] = (float)mean[c + k];
+    FASTLN_VF sh[3], s_dy[3] = {0}, s_dy_d[3] = {0}, s_d[3] = {0};
+    FASTLN_UNROLL
+    for (int j = 0; j < n_vectors; j++) sh[j] = FASTLN_ISA(load_f32)(shift_f + j * FASTLN_VF_LANES);
+    for (int64_t r = 0; r < n_rows; r++) {
+        FASTLN_UNROLL
+        for (int j = 0; j < n_vectors; j++) {
+            const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
+            const FASTLN_VF g = FASTLN_NAME(load_c)(dy + at);
+            const FASTLN_VF d = FASTLN_NAME(load_c)(x + at) - sh[j];
+            s_dy[j] += g;
+            s_dy_d[j] += g * d;
+            s_d[j] += d;
+        }
+    }
+    FASTLN_UNROLL
+    for (int j = 0; j < n_vectors; j++) {
+        double *totals[3] = {sum_dy + c + j * FASTLN_VF_LANES, sum_dy_d + c + j * FASTLN_VF_LANES,
+                             sum_d + c + j * FASTLN_VF_LANES};
+        const FASTLN_VF partials[3] = {s_dy[j], s_dy_d[j], s_d[j]};
+        for (int i = 0; i < 3; i++) {
+            const FASTLN_VD low = FASTLN_ISA(widen_low)(partials[i])
+                                  + FASTLN_ISA(load_f64)(totals[i]);
+            const FASTLN_VD high = FASTLN_ISA(widen_high)(partials[i])
+                                   + FASTLN_ISA(load_f64)(totals[i] + FASTLN_VD_LANES);
+            FASTLN_ISA(store_f64)(totals[i], low);
+            FASTLN_ISA(store_f64)(totals[i] + FASTLN_VD_LANES, high);
+        }
+    }
+}
+
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_rows)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
+    int64_t n_features, int64_t row_stride, const double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
+    double *FASTLN_RESTRICT sum_d)
+{
+    for (int64_t first = 0; first < n_rows; first += FASTLN_BN_BACKWARD_ROW_GROUP) {
+        const int64_t n = fastln_min(FASTLN_BN_BACKWARD_ROW_GROUP, n_rows - first);
+        const FASTLN_T *dy_rows = dy + first * row_stride, *x_rows = x + first * row_stride;
+        int64_t c = 0;
+        for (; c + 3 * FASTLN_VF_LANES <= n_features; c += 3 * FASTLN_VF_LANES)
+            FASTLN_NAME(bn_backward_float_chunk)(dy_rows, x_rows, n, row_stride, c, 3, mean,
+                                                 sum_dy, sum_dy_d, sum_d);
+        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES)
+            FASTLN_NAME(bn_backward_float_chunk)(dy_rows, x_rows, n, row_stride, c, 1, mean,
+                                                 sum_dy, sum_dy_d, sum_d);
+        for (; c < n_features; c++) {
+            const float shift = (float)mean[c];
+            float s_dy = 0.0f, s_dy_d = 0.0f, s_d = 0.0f;
+            for (int64_t r = 0; r < n; r++) {
+                const float g = FASTLN_NAME(to_compute)(dy_rows[r * row_stride + c]);
+                const float d = FASTLN_NAME(to_compute)(x_rows[r * row_stride + c]) - shift;
+                s_dy += g;
+                s_dy_d += g * d;
+                s_d += d;
+            }
+            sum_dy[c] += (double)s_dy;
+            sum_dy_d[c] += (double)s_dy_d;
+            sum_d[c] += (double)s_d;
+        }
+    }
+}
+
+/* Whether feature c's float sums (moved to the mean) stand, by LayerNorm's rule (floats_hold):
+ * finite, and sum(dy * d) not so small that products below float's normal range could matter,
+ * all-zero dy aside; else they are taken again in double, row after row. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_rows_hold)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                      int64_t n_rows, int64_t n_features,
+                                                      int64_t c, double mean, double *sum_dy,
+                                                      double *sum_dy_d, double *sum_d)
+{
+    const double n = (double)n_rows;
+    if (isfinite(*sum_dy) && isfinite(*sum_dy_d) && isfinite(*sum_d)) {
+        if (fabs(*sum_dy_d) >= n * n * FLT_MIN) return;
+        int all_zero = 1;
+        for (int64_t r = 0; r < n_rows && all_zero; r++)
+            all_zero = FASTLN_NAME(to_compute)(dy[r * n_features + c]) == 0;
+        if (all_zero) return;
+    }
+    double s_dy = 0.0, s_dy_d = 0.0, s_d = 0.0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const double g = FASTLN_NAME(to_double)(dy[r * n_features + c]);
+        const double d = FASTLN_NAME(to_double)(x[r * n_features + c]) - mean;
+        s_dy += g;
+        s_dy_d += g * d;
+        s_d += d;
+    }
+    *sum_dy = s_dy;
+    *sum_dy_d = s_dy_d;
+    *sum_d = s_d;
+}
+#endif
+
 /* The three sums for this pass's slots of one block: from the segment, or (dy NULL) from
  * padded[0..1], the block's dy and d already in double (zeros beyond the segment). */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_add_block)(

@@ -313,10 +313,17 @@ static void FASTLN_NAME(bn_backward_sums_task)(const void *opaque, int64_t begin
         if (at.n_rows <= 0) continue;
         if (call->n_inner == 1) {
             const int64_t offset = at.start * call->n_features + at.first;
+#if FASTLN_COMPUTE_F32
+            FASTLN_NAME(bn_backward_float_rows)(dy + offset, x + offset, at.n_rows, at.width,
+                                                call->n_features, call->mean + at.first,
+                                                sum_dy + at.index, sum_dy_d + at.index,
+                                                sum_d + at.index);
+#else
             FASTLN_NAME(bn_backward_sums_rows)(dy + offset, x + offset, at.n_rows, at.width,
                                                call->n_features, call->mean + at.first,
                                                sum_dy + at.index, sum_dy_d + at.index,
                                                sum_d + at.index);
+#endif
         } else {
             const int64_t offset = (at.start * call->n_features + at.first) * call->n_inner;
             FASTLN_NAME(bn_backward_sums_segments)(dy + offset, x + offset, at.n_rows,
@@ -350,6 +357,19 @@ static void FASTLN_NAME(bn_backward_constants_task)(const void *opaque, int64_t 
                                call->sum_dy_d);
     fastln_bn_combine_partials(call->partials + 2 * n_partials, call->n_blocks, call->n_features,
                                call->sum_d);
+#if FASTLN_COMPUTE_F32
+    if (call->n_inner == 1) /* the rows' float sums (bn_backward_float_rows): around the float
+                             * nearest each mean, moved to the mean in double (exactly: shift -
+                             * mean is exact), then held to LayerNorm's rule */
+        for (int64_t c = 0; c < call->n_features; c++) {
+            const double moved = (double)(float)call->mean[c] - call->mean[c];
+            call->sum_dy_d[c] += moved * call->sum_dy[c];
+            call->sum_d[c] += moved * (double)call->n_outer;
+            FASTLN_NAME(bn_backward_rows_hold)(call->dy, call->x, call->n_outer, call->n_features,
+                                               c, call->mean[c], call->sum_dy + c,
+                                               call->sum_dy_d + c, call->sum_d + c);
+        }
+#endif
     fastln_bn_backward_constants(call);
     *call->n_finish = 0;
     if (call->training) FASTLN_NAME(bn_rescale_backward)(call->dy, call->x, call);
