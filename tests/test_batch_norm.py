@@ -370,8 +370,8 @@ def test_large_offsets(rng, dtype, offset, axis):
 @pytest.mark.parametrize("segment", [125, 200, 1000])
 def test_large_offsets_in_long_segments(rng, offset, segment):
     """float32 segments of 128 values and more sum the backward in float runs around the float
-    nearest each feature's mean (shorter ones in double slots, as 125 here): as exact as the
-    rows layout at every offset."""
+    nearest each feature's mean (shorter ones, as 125 here, position by position): as exact as
+    the rows layout at every offset."""
     m, n_features = 2000, 6
     offsets = offset * (1 + np.arange(n_features))
     x = (offsets + rng.standard_normal((m, n_features))).astype(np.float32)
@@ -850,8 +850,9 @@ def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training)
                        atol=2e-3 if dtype == np.float16 else 1e-5)
 
 
-@pytest.mark.parametrize("axis", [-1, 0], ids=["rows", "segments"])
-def test_backward_products_below_float_range(axis):
+@pytest.mark.parametrize("axis, segment", [(-1, None), (0, 200), (0, 20)],
+                         ids=["rows", "segments", "short segments"])
+def test_backward_products_below_float_range(axis, segment):
     """float32 x of 1e-20 and dy of 1e-25: dy * d is below float's range, so the float runs'
     sums cannot hold and the feature is summed in double; dgamma keeps float32 accuracy."""
     rng = np.random.default_rng(33)
@@ -861,7 +862,8 @@ def test_backward_products_below_float_range(axis):
     x_hat = (x64 - x64.mean(axis=0)) / x64.std(axis=0)
     exact_dgamma = (dy64 * x_hat).sum(axis=0)
     if axis == 0:
-        x, dy = np.ascontiguousarray(x.T).reshape(4, 3, 200), np.ascontiguousarray(dy.T).reshape(4, 3, 200)
+        x = np.ascontiguousarray(x.T).reshape(4, 600 // segment, segment)
+        dy = np.ascontiguousarray(dy.T).reshape(4, 600 // segment, segment)
     _, cache = fastln.batch_norm_forward(x, training=True, eps=0.0, axis=axis)
     _, dgamma, _ = fastln.batch_norm_backward(dy, cache)
     assert np.allclose(dgamma, exact_dgamma, rtol=1e-6, atol=1e-6 * np.abs(exact_dgamma).max())

@@ -1344,6 +1344,77 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_add_block)(
 }
 
 #if FASTLN_COMPUTE_F32
+/* Segments layout, one feature of short segments (n_inner below FASTLN_BN_FLOAT_SEGMENT), in
+ * float: each position of a segment adds that position of the segments of a run of
+ * FASTLN_BN_SHORT_SEGMENT_RUN in float, around the float nearest the mean; the run's partials go
+ * to the position's double sums, added over the positions in order at the end. Positions never
+ * mix, so the vector width changes nothing. 1 and the sums (moved to the mean) when they hold
+ * by LayerNorm's rule (finite; sum(dy * d) not below n^2 FLT_MIN unless dy is all zero); 0 for
+ * the double slots. */
+FASTLN_INLINE int FASTLN_NAME(bn_backward_short_segments)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
+    int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,
+    double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
+{
+    enum { MAX_VECTORS = FASTLN_BN_FLOAT_SEGMENT / FASTLN_VF_LANES };
+    const float shift = (float)mean;
+    const int64_t n_vectors = n_inner / FASTLN_VF_LANES, whole = n_vectors * FASTLN_VF_LANES;
+    double positions[3][FASTLN_BN_FLOAT_SEGMENT] = {{0}};
+    for (int64_t first = 0; first < n_segments; first += FASTLN_BN_SHORT_SEGMENT_RUN) {
+        const int64_t last = fastln_min(first + FASTLN_BN_SHORT_SEGMENT_RUN, n_segments);
+        FASTLN_VF s_dy[MAX_VECTORS], s_dy_d[MAX_VECTORS], s_d[MAX_VECTORS];
+        for (int64_t v = 0; v < n_vectors; v++) s_dy[v] = s_dy_d[v] = s_d[v] = (FASTLN_VF){0};
+        float t_dy[FASTLN_VF_LANES] = {0}, t_dy_d[FASTLN_VF_LANES] = {0};
+        float t_d[FASTLN_VF_LANES] = {0};
+        for (int64_t k = first; k < last; k++) {
+            const FASTLN_T *dy_segment = dy + k * stride, *x_segment = x + k * stride;
+            for (int64_t v = 0; v < n_vectors; v++) {
+                const FASTLN_VF g = FASTLN_NAME(load_c)(dy_segment + v * FASTLN_VF_LANES);
+                const FASTLN_VF d = FASTLN_NAME(load_c)(x_segment + v * FASTLN_VF_LANES) - shift;
+                s_dy[v] += g;
+                s_dy_d[v] += g * d;
+                s_d[v] += d;
+            }
+            for (int64_t l = whole; l < n_inner; l++) {
+                const float g = FASTLN_NAME(to_compute)(dy_segment[l]);
+                const float d = FASTLN_NAME(to_compute)(x_segment[l]) - shift;
+                t_dy[l - whole] += g;
+                t_dy_d[l - whole] += g * d;
+                t_d[l - whole] += d;
+            }
+        }
+        for (int64_t v = 0; v < n_vectors; v++)
+            for (int l = 0; l < FASTLN_VF_LANES; l++) {
+                positions[0][v * FASTLN_VF_LANES + l] += (double)s_dy[v][l];
+                positions[1][v * FASTLN_VF_LANES + l] += (double)s_dy_d[v][l];
+                positions[2][v * FASTLN_VF_LANES + l] += (double)s_d[v][l];
+            }
+        for (int64_t l = whole; l < n_inner; l++) {
+            positions[0][l] += (double)t_dy[l - whole];
+            positions[1][l] += (double)t_dy_d[l - whole];
+            positions[2][l] += (double)t_d[l - whole];
+        }
+    }
+    double totals[3];
+    for (int i = 0; i < 3; i++) {
+        double total = 0.0;
+        for (int64_t l = 0; l < n_inner; l++) total += positions[i][l];
+        totals[i] = total;
+    }
+    const double n = (double)(n_segments * n_inner), moved = (double)shift - mean;
+    if (!isfinite(totals[0]) || !isfinite(totals[1]) || !isfinite(totals[2])) return 0;
+    if (!(fabs(totals[1]) >= n * n * FLT_MIN))
+        for (int64_t k = 0; k < n_segments; k++)
+            for (int64_t l = 0; l < n_inner; l++)
+                if (FASTLN_NAME(to_compute)(dy[k * stride + l]) != 0) return 0;
+    *sum_dy_out = totals[0];
+    *sum_dy_d_out = totals[1] + moved * totals[0];
+    *sum_d_out = totals[2] + moved * n;
+    return 1;
+}
+#endif
+
+#if FASTLN_COMPUTE_F32
 /* Segments layout, one feature, in float runs segment by segment (bn_backward_sums_segments). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_segments)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
@@ -1384,6 +1455,9 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_segments)(
                                                 sum_dy_out, sum_dy_d_out, sum_d_out);
         return;
     }
+    if (FASTLN_NAME(bn_backward_short_segments)(dy, x, n_segments, stride, n_inner, mean,
+                                                sum_dy_out, sum_dy_d_out, sum_d_out))
+        return;
 #endif
     const int64_t n_whole = n_inner - n_inner % FASTLN_SLOTS;
     double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];

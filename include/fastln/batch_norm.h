@@ -40,6 +40,8 @@
 /* The backward's segments (NCHW) sums go in float runs, segment by segment, for segments of
  * this many values or more (fastln/backward.h, bn_backward_sums_segments). */
 #define FASTLN_BN_FLOAT_SEGMENT 128
+/* Shorter segments add this many segments per float run (bn_backward_short_segments). */
+#define FASTLN_BN_SHORT_SEGMENT_RUN 8
 
 /* The rare path takes a feature again when its variance and eps are both below this (its
  * squares may have underflowed; LayerNorm's FASTLN_TINY), and in the backward when rstd is above
