@@ -206,15 +206,24 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_float_slots)(
  * (sum(dx_hat * d), sum(dx_hat * x_hat)) is not so small that products below float's normal
  * range could matter (each is off by at most 2^-150 then; n of them stay below 2^-24 of a sum
  * of n * n * FLT_MIN or more), dy = 0 aside. Other rows (Inf, NaN, extreme or tiny values) take
- * the double pass, and from there the paths the float64 rows take. */
-FASTLN_INLINE int FASTLN_NAME(floats_hold)(const FASTLN_T *dy, int64_t n_cols, double products)
+ * the double pass, and from there the paths the float64 rows take. dy is n_runs runs of width
+ * values, stride apart (a row: one run; a BatchNorm feature: its rows or its segments). */
+FASTLN_INLINE int FASTLN_NAME(floats_hold_runs)(const FASTLN_T *dy, int64_t n_runs, int64_t width,
+                                               int64_t stride, double products)
 {
     if (!isfinite(products)) return 0;
-    const double n = (double)n_cols;
+    const double n = (double)(n_runs * width);
     if (!(fabs(products) < n * n * FLT_MIN)) return 1;
-    for (int64_t j = 0; j < n_cols; j++)
-        if (FASTLN_NAME(to_compute)(dy[j]) != 0) return 0;
+    for (int64_t r = 0; r < n_runs; r++)
+        for (int64_t j = 0; j < width; j++)
+            if (FASTLN_NAME(to_compute)(dy[r * stride + j]) != 0) return 0;
     return 1;
+}
+
+/* floats_hold_runs for a contiguous row of n_cols values. */
+FASTLN_INLINE int FASTLN_NAME(floats_hold)(const FASTLN_T *dy, int64_t n_cols, double products)
+{
+    return FASTLN_NAME(floats_hold_runs)(dy, 1, n_cols, n_cols, products);
 }
 #endif
 
@@ -1290,14 +1299,9 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_rows_hold)(const FASTLN_T *dy, const 
                                                       int64_t c, double mean, double *sum_dy,
                                                       double *sum_dy_d, double *sum_d)
 {
-    const double n = (double)n_rows;
-    if (isfinite(*sum_dy) && isfinite(*sum_dy_d) && isfinite(*sum_d)) {
-        if (fabs(*sum_dy_d) >= n * n * FLT_MIN) return;
-        int all_zero = 1;
-        for (int64_t r = 0; r < n_rows && all_zero; r++)
-            all_zero = FASTLN_NAME(to_compute)(dy[r * n_features + c]) == 0;
-        if (all_zero) return;
-    }
+    if (isfinite(*sum_dy) && isfinite(*sum_d)
+        && FASTLN_NAME(floats_hold_runs)(dy + c, n_rows, 1, n_features, *sum_dy_d))
+        return;
     double s_dy = 0.0, s_dy_d = 0.0, s_d = 0.0;
     for (int64_t r = 0; r < n_rows; r++) {
         const double g = FASTLN_NAME(to_double)(dy[r * n_features + c]);
@@ -1401,15 +1405,13 @@ FASTLN_INLINE int FASTLN_NAME(bn_backward_short_segments)(
         for (int64_t l = 0; l < n_inner; l++) total += positions[i][l];
         totals[i] = total;
     }
-    const double n = (double)(n_segments * n_inner), moved = (double)shift - mean;
-    if (!isfinite(totals[0]) || !isfinite(totals[1]) || !isfinite(totals[2])) return 0;
-    if (!(fabs(totals[1]) >= n * n * FLT_MIN))
-        for (int64_t k = 0; k < n_segments; k++)
-            for (int64_t l = 0; l < n_inner; l++)
-                if (FASTLN_NAME(to_compute)(dy[k * stride + l]) != 0) return 0;
+    if (!isfinite(totals[0]) || !isfinite(totals[2])
+        || !FASTLN_NAME(floats_hold_runs)(dy, n_segments, n_inner, stride, totals[1]))
+        return 0;
+    fastln_bn_move_sums(shift, mean, (double)(n_segments * n_inner), totals);
     *sum_dy_out = totals[0];
-    *sum_dy_d_out = totals[1] + moved * totals[0];
-    *sum_d_out = totals[2] + moved * n;
+    *sum_dy_d_out = totals[1];
+    *sum_d_out = totals[2];
     return 1;
 }
 #endif
@@ -1422,7 +1424,6 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_segments)(
     double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
 {
     const float shift = (float)mean;
-    const double moved = (double)shift - mean;
     double total[3] = {0.0, 0.0, 0.0};
     for (int64_t k = 0; k < n_segments; k++) {
         double sums[3];
@@ -1430,9 +1431,10 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_segments)(
                                        sums);
         for (int i = 0; i < 3; i++) total[i] += sums[i];
     }
+    fastln_bn_move_sums(shift, mean, (double)(n_segments * n_inner), total);
     *sum_dy_out = total[0];
-    *sum_dy_d_out = total[1] + moved * total[0];
-    *sum_d_out = total[2] + moved * (double)(n_segments * n_inner);
+    *sum_dy_d_out = total[1];
+    *sum_d_out = total[2];
 }
 #endif
 

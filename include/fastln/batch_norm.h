@@ -260,6 +260,16 @@ static inline void fastln_bn_backward_constants_of(
         for (int64_t c = 0; c < n; c++) k[c] = gamma[c] * rstd_in[c];
 }
 
+/* Backward sums (sum(dy), sum(dy * d), sum(d)) of count values taken around shift, the float
+ * nearest mean (the float passes), made the sums around mean that the constants take: shift -
+ * mean is exact. */
+static inline void fastln_bn_move_sums(float shift, double mean, double count, double sums[3])
+{
+    const double moved = (double)shift - mean;
+    sums[1] += moved * sums[0];
+    sums[2] += moved * count;
+}
+
 static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
 {
     fastln_bn_backward_constants_of(

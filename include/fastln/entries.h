@@ -362,9 +362,11 @@ static void FASTLN_NAME(bn_backward_constants_task)(const void *opaque, int64_t 
                              * nearest each mean, moved to the mean in double (exactly: shift -
                              * mean is exact), then held to LayerNorm's rule */
         for (int64_t c = 0; c < call->n_features; c++) {
-            const double moved = (double)(float)call->mean[c] - call->mean[c];
-            call->sum_dy_d[c] += moved * call->sum_dy[c];
-            call->sum_d[c] += moved * (double)call->n_outer;
+            double sums[3] = {call->sum_dy[c], call->sum_dy_d[c], call->sum_d[c]};
+            fastln_bn_move_sums((float)call->mean[c], call->mean[c], (double)call->n_outer,
+                                sums);
+            call->sum_dy_d[c] = sums[1];
+            call->sum_d[c] = sums[2];
             FASTLN_NAME(bn_backward_rows_hold)(call->dy, call->x, call->n_outer, call->n_features,
                                                c, call->mean[c], call->sum_dy + c,
                                                call->sum_dy_d + c, call->sum_d + c);
