@@ -436,14 +436,16 @@ FASTLN_INLINE fastln_ln_backward_floats FASTLN_NAME(ln_backward_to_floats)(
     return row;
 }
 
-/* dx for VF_LANES elements; their dy * x_hat and dy are added to dgamma and dbeta. */
+/* dx for VF_LANES elements; their dy * x_hat and dy are added to dgamma and dbeta. gamma_v is
+ * gamma's vector for these columns (NULL without gamma), loaded by the caller: once for all the
+ * rows of a group, as x and dy are the only loads each row needs. */
 FASTLN_INLINE FASTLN_VF FASTLN_NAME(ln_backward_dx_float)(
-    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma,
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_VF *gamma_v,
     const fastln_ln_backward_floats *row, FASTLN_VF *dgamma, FASTLN_VF *dbeta)
 {
     const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy);
     const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x) - row->mean_head) - row->mean_tail) * row->rstd;
-    const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma) : dy_v;
+    const FASTLN_VF dx_hat = gamma_v ? dy_v * *gamma_v : dy_v;
     *dgamma += dy_v * x_hat;
     *dbeta += dy_v;
     return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
@@ -469,8 +471,9 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_vector)(
 {
     FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + i);
     FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + i);
+    const FASTLN_VF gamma_v = gamma ? FASTLN_NAME(load_p)(gamma + i) : dgamma;
     const FASTLN_VF dx_v = FASTLN_NAME(ln_backward_dx_float)(
-        dy + i, x + i, gamma ? gamma + i : NULL, row, &dgamma, &dbeta);
+        dy + i, x + i, gamma ? &gamma_v : NULL, row, &dgamma, &dbeta);
     FASTLN_ISA(store_f32)(dgamma_acc + i, dgamma);
     FASTLN_ISA(store_f32)(dbeta_acc + i, dbeta);
     FASTLN_NAME(store_c_to)(dx + i, dx_v, stream_dx);
@@ -513,18 +516,19 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
     enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
     for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
-        FASTLN_VF dgamma[VECTORS], dbeta[VECTORS];
+        FASTLN_VF dgamma[VECTORS], dbeta[VECTORS], gamma_v[VECTORS];
         FASTLN_UNROLL
         for (int v = 0; v < VECTORS; v++) {
             dgamma[v] = FASTLN_ISA(load_f32)(dgamma_acc + i + v * FASTLN_VF_LANES);
             dbeta[v] = FASTLN_ISA(load_f32)(dbeta_acc + i + v * FASTLN_VF_LANES);
+            gamma_v[v] = gamma ? FASTLN_NAME(load_p)(gamma + i + v * FASTLN_VF_LANES) : dgamma[v];
         }
         for (int64_t r = 0; r < n_rows; r++) {
             FASTLN_UNROLL
             for (int v = 0; v < VECTORS; v++) {
-                const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
+                const int64_t at = r * stride + i + v * FASTLN_VF_LANES;
                 FASTLN_NAME(store_c)(dx + at, FASTLN_NAME(ln_backward_dx_float)(
-                    dy + at, x + at, gamma ? gamma + column : NULL, &rows[r], &dgamma[v],
+                    dy + at, x + at, gamma ? &gamma_v[v] : NULL, &rows[r], &dgamma[v],
                     &dbeta[v]));
             }
         }
@@ -546,8 +550,9 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
                 dgamma_acc + i, dbeta_acc + i));
 }
 
-/* The same from the rows' sums; inlined with and without gamma, so that the loops have no test
- * for it. */
+/* The same from the rows' sums; inlined with and without gamma, and for a whole group with its
+ * row count a constant (the rows loop unrolled, each row's constants in registers), so that the
+ * loops have no test for either. */
 FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
@@ -555,7 +560,13 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
 {
     fastln_ln_backward_floats rows[FASTLN_BACKWARD_GROUP];
     for (int64_t r = 0; r < n_rows; r++) rows[r] = FASTLN_NAME(ln_backward_to_floats)(&sums[r]);
-    if (gamma)
+    if (n_rows == FASTLN_BACKWARD_GROUP && gamma)
+        FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, gamma, dx, FASTLN_BACKWARD_GROUP, stride,
+                                                   width, rows, dgamma_acc, dbeta_acc);
+    else if (n_rows == FASTLN_BACKWARD_GROUP)
+        FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, NULL, dx, FASTLN_BACKWARD_GROUP, stride,
+                                                   width, rows, dgamma_acc, dbeta_acc);
+    else if (gamma)
         FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, gamma, dx, n_rows, stride, width, rows,
                                                    dgamma_acc, dbeta_acc);
     else
@@ -917,11 +928,13 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
     double *dgamma_acc, int streaming, int stream_dx)
 {
     FASTLN_VD dgamma[FASTLN_STEP / FASTLN_VF_LANES][2];
+    FASTLN_VF gamma_v[FASTLN_STEP / FASTLN_VF_LANES]; /* loaded once for all the rows */
     FASTLN_UNROLL
     for (int v = 0; v < n_vectors; v++) {
         const int64_t column = i + v * FASTLN_VF_LANES;
         dgamma[v][0] = FASTLN_ISA(load_f64)(dgamma_acc + column);
         dgamma[v][1] = FASTLN_ISA(load_f64)(dgamma_acc + column + FASTLN_VD_LANES);
+        gamma_v[v] = gamma ? FASTLN_NAME(load_p)(gamma + column) : (FASTLN_VF){0};
     }
     if (streaming) {
         FASTLN_NAME(prefetch_step)(dy + stride + i);
@@ -933,7 +946,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
             const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
             const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
             const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
-            const FASTLN_VF dx_hat = gamma ? dy_v * FASTLN_NAME(load_p)(gamma + column) : dy_v;
+            const FASTLN_VF dx_hat = gamma ? dy_v * gamma_v[v] : dy_v;
             const FASTLN_VF dgamma_v = dy_v * x_hat;
             FASTLN_NAME(store_c_to)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], stream_dx);
             dgamma[v][0] += FASTLN_ISA(widen_low)(dgamma_v);
