@@ -1625,17 +1625,20 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
             FASTLN_NAME(bn_backward_store_float)(dy_row + c, x_row + c, dx_row + c, v, call, c, 1,
                                                  streaming);
         }
-        for (; c < n; c++) {
-            const float g = FASTLN_NAME(to_compute)(dy_row[c]);
+        FASTLN_T last[FASTLN_STEP]; /* the row's last (< VF_LANES) elements, in 16-byte pieces */
+        for (int64_t l = 0; c + l < n; l++) {
+            const int64_t at = c + l;
+            const float g = FASTLN_NAME(to_compute)(dy_row[at]);
             float v;
             if (training) {
-                const float centred = (FASTLN_NAME(to_compute)(x_row[c]) - head[c]) - tail[c];
-                v = k[c] * ((g - mean_dy[c]) - centred * coef[c]);
+                const float centred = (FASTLN_NAME(to_compute)(x_row[at]) - head[at]) - tail[at];
+                v = k[at] * ((g - mean_dy[at]) - centred * coef[at]);
             } else {
-                v = g * k[c];
+                v = g * k[at];
             }
-            dx_row[c] = FASTLN_NAME(bn_backward_element)(dy_row[c], x_row[c], v, call, c);
+            last[l] = FASTLN_NAME(bn_backward_element)(dy_row[at], x_row[at], v, call, at);
         }
+        FASTLN_NAME(store_elements_to)(dx_row + c, last, n - c, streaming);
     }
     if (streaming) fastln_streaming_fence();
 }

@@ -426,11 +426,15 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
                 + FASTLN_ISA(load_f32)(offset + c);
             FASTLN_NAME(bn_store_float)(row + c, out + c, v, k, c, 1, streaming);
         }
-        for (; c < n; c++) {
-            const float v = ((FASTLN_NAME(to_compute)(row[c]) - head[c]) - tail[c]) * scale[c]
-                            + offset[c];
-            out[c] = FASTLN_NAME(bn_apply_element)(row[c], v, k, c);
+        FASTLN_T last[FASTLN_STEP]; /* the row's last (< VF_LANES) elements, in 16-byte pieces */
+        for (int64_t l = 0; c + l < n; l++) {
+            const int64_t at = c + l;
+            const float v = ((FASTLN_NAME(to_compute)(row[at]) - head[at]) - tail[at])
+                                * scale[at]
+                            + offset[at];
+            last[l] = FASTLN_NAME(bn_apply_element)(row[at], v, k, at);
         }
+        FASTLN_NAME(store_elements_to)(out + c, last, n - c, streaming);
     }
     if (streaming) fastln_streaming_fence();
 }

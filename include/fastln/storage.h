@@ -137,6 +137,19 @@ FASTLN_INLINE void FASTLN_NAME(store_c_to)(FASTLN_T *p, FASTLN_VC v, int streami
         FASTLN_NAME(store_c)(p, v);
 }
 
+/* The n elements of `values` at p: a streamed row's last elements after its vectors, with
+ * non-temporal stores too when streaming (16 bytes at a time; p 16-byte aligned then). A line
+ * written partly with plain stores and partly with non-temporal ones leaves the write-combining
+ * buffers half full; a row that ended that way made a pass 10x slower (docs/performance.md). */
+FASTLN_INLINE void FASTLN_NAME(store_elements_to)(FASTLN_T *p, const FASTLN_T *values, int64_t n,
+                                                  int streaming)
+{
+    if (streaming)
+        FASTLN_ISA(stream_bytes)(p, values, (size_t)n * sizeof(FASTLN_T));
+    else
+        memcpy(p, values, (size_t)n * sizeof(FASTLN_T));
+}
+
 /* FASTLN_VF_LANES elements as two double vectors (exact), and back (rounded once per type). */
 FASTLN_INLINE void FASTLN_NAME(load_wide)(const FASTLN_T *p, FASTLN_VD *low, FASTLN_VD *high)
 {
