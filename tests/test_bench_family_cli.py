@@ -293,6 +293,17 @@ def test_batch_norm_shapes_put_the_features_on_axis_1():
     assert batch_axes(4) == (0, 2, 3)
 
 
+def test_group_norm_shapes_give_both_layouts_the_same_tensor():
+    """group_norm_last reads an (N, C, H, W) shape as group_norm does and lays the tensor out
+    channels last, so that one shape times both layouts of the same tensor."""
+    shape = (2, 6, 4, 5)
+    first = OPERATIONS["group_norm"].make_inputs(shape, "float32", np.random.default_rng(0))
+    last = OPERATIONS["group_norm_last"].make_inputs(shape, "float32", np.random.default_rng(0))
+    assert first.x.shape == shape and last.x.shape == (2, 4, 5, 6)
+    assert last.x.flags.c_contiguous and last.gamma.shape == last.beta.shape == (6,)
+    assert np.array_equal(last.x, np.moveaxis(first.x, 1, -1))
+
+
 def test_add_norm_bytes_count_both_inputs_and_both_outputs():
     assert OPERATIONS["add_layer_norm"].bytes_moved((4, 8), 4) == 4 * 32 * 4
     assert OPERATIONS["add_rms_norm"].bytes_moved((4, 8), 4) == 4 * 32 * 4

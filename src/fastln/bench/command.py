@@ -240,7 +240,8 @@ def add_arguments(parser):
                              "(channels last), group_norm_backward, instance_norm. Batch norm "
                              "reads a shape as (N, C) or (N, C, H, W, ...): features on axis 1, "
                              "as in PyTorch; group and instance norm as (N, C, H, W, ...) "
-                             "(group_norm_last: (N, H, W, ..., C)) with gcd(32, C) groups")
+                             "(group_norm_last: the same tensor laid out (N, H, W, ..., C)) "
+                             "with gcd(32, C) groups")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="comma-separated shapes like 1x768,4096x4096 (default: "
                              + ",".join("x".join(map(str, s)) for s in STANDARD_SHAPES) + ")")

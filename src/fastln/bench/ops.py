@@ -17,8 +17,9 @@ statistics need all of its values before its first output, so once x is larger t
 batch_norm_train reads x twice and writes y (3 n), batch_norm_backward reads dy and x twice and
 writes dx (5 n); for arrays that fit in the cache those second reads come from it. Batch norm
 reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch. Group norm and
-instance norm read it as (N, C, H, W, ...) - group_norm_last as (N, H, W, ..., C), channels
-last - in gcd(32, C) groups (the diffusion models' 32); a group larger than the cache is read
+instance norm read it as (N, C, H, W, ...) - group_norm_last too, the same tensor laid out
+channels last, (N, H, W, ..., C) in memory - in gcd(32, C) groups (the diffusion models' 32),
+so that one shape times both layouts of the same tensor; a group larger than the cache is read
 twice, as a batch-norm feature is, but the standard shapes' groups fit it (2 n forward, 3 n
 backward).
 """
@@ -137,6 +138,13 @@ def _group_norm(inputs, num_threads, out):
                    inputs.beta, EPS, out=out, num_threads=num_threads)
 
 
+def _channels_last_inputs(shape, dtype, rng):
+    """Inputs for an (N, C, H, W, ...) shape, x laid out channels last: (N, H, W, ..., C)."""
+    inputs = make_inputs(shape, dtype, rng, beta=True, per_channel=True)
+    inputs.x = np.ascontiguousarray(np.moveaxis(inputs.x, 1, -1))
+    return inputs
+
+
 def _group_norm_last(inputs, num_threads, out):
     return partial(fastln.group_norm, inputs.x, group_count(inputs.x.shape, -1), inputs.gamma,
                    inputs.beta, EPS, channel_axis=-1, out=out, num_threads=num_threads)
@@ -192,8 +200,8 @@ TABLE = (
               partial(make_inputs, beta=True, per_channel=True),
               streams=2, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
               fastln=_fastln(_group_norm), fastln_call="fastln.group_norm"),
-    Operation("group_norm_last", "group_norm forward, channels last (N, H, W, C)",
-              partial(make_inputs, beta=True),
+    Operation("group_norm_last", "group_norm forward, channels last ((N, C, H, W) laid out "
+              "(N, H, W, C))", _channels_last_inputs,
               streams=2, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
               fastln=_fastln(_group_norm_last), fastln_call="fastln.group_norm(channel_axis=-1)"),
     Operation("group_norm_backward", "group_norm backward, (N, C, H, W)",
