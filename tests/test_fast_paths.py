@@ -1,5 +1,5 @@
-"""The C-level fast paths (row_norm_forward_fast, row_norm_backward_fast and
-batch_norm_forward_fast in _kernels.pyx).
+"""The C-level fast paths (row_norm_forward_fast, row_norm_backward_fast,
+batch_norm_forward_fast, batch_norm_backward_fast and group_norm_forward_fast in _kernels.pyx).
 
 Every public call is run twice on fresh copies of the same inputs: as it is, and with the fast
 paths switched off (each returns None, so the general Python path runs). The two must agree bit
@@ -14,17 +14,19 @@ from conftest import DTYPES, assert_bitwise_equal, random_input, random_params
 
 import fastln
 from fastln import _kernels
-from fastln._caches import BatchNormCache, RowNormCache
+from fastln._caches import BatchNormCache, GroupNormCache, RowNormCache
 
 FAST_FUNCTIONS = (
     (_kernels, "row_norm_forward_fast"),
     (_kernels, "row_norm_backward_fast"),
     (_kernels, "batch_norm_forward_fast"),
     (_kernels, "batch_norm_backward_fast"),
+    (_kernels, "group_norm_forward_fast"),
 )
 N_COLS = 96
 SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))
-CACHE_FIELDS = ("x", "mean", "rstd", "axis", "eps", "_dtype", "training", "dtype")
+CACHE_FIELDS = ("x", "mean", "rstd", "axis", "eps", "_dtype", "training", "dtype", "num_groups",
+                "channel_axis")
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,7 +99,7 @@ def assert_same_result(a, b, where="result"):
     elif isinstance(a, np.ndarray):
         assert a.flags.c_contiguous == b.flags.c_contiguous, where
         assert_bitwise_equal(a, b, where)
-    elif isinstance(a, (RowNormCache, BatchNormCache)):
+    elif isinstance(a, (RowNormCache, BatchNormCache, GroupNormCache)):
         for field in CACHE_FIELDS:
             if hasattr(type(a), field) or hasattr(a, field):
                 assert_same_result(getattr(a, field), getattr(b, field), f"{where}.{field}")
@@ -913,3 +915,108 @@ def test_batch_norm_backward_falls_back(monkeypatch, name, dtype):
     error."""
     fast, _ = run_both(BN_BACKWARD_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
     assert not fast.backward_took_fast_path, fast.fast_results
+
+
+# --------------------------------------------------------------------------------------------
+# GroupNorm's and InstanceNorm's forward
+# --------------------------------------------------------------------------------------------
+
+# (shape, channel_axis): the channels are shape[channel_axis]; a 2-D x has no spatial axes.
+GN_LAYOUTS = {"first": ((2, 12, 3, N_COLS), 1), "last": ((2, 3, 5, N_COLS), -1),
+              "rows-first": ((5, N_COLS), 1), "rows-last": ((5, N_COLS), -1),
+              "3d-last": ((2, 7, N_COLS), -1)}
+GN_FUNCTIONS = {"group_norm": fastln.group_norm, "group_norm_forward": fastln.group_norm_forward,
+                "instance_norm": fastln.instance_norm,
+                "instance_norm_forward": fastln.instance_norm_forward}
+
+
+def _gn_call(function, dtype, layout, with_params, out, num_threads=None):
+    """A GroupNorm (4 groups) or InstanceNorm forward of x in `dtype` laid out as `layout`."""
+    shape, channel_axis = GN_LAYOUTS[layout]
+
+    def call(d):
+        x = d["x"].astype(dtype)
+        n_channels = x.shape[channel_axis]
+        param_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        params = ((d["gamma"][:n_channels].astype(param_dtype),
+                   d["beta"][:n_channels].astype(param_dtype)) if with_params else (None, None))
+        kwargs = dict(channel_axis=channel_axis, num_threads=num_threads)
+        if out:
+            kwargs["out"] = np.full(x.shape, np.nan, x.dtype)
+        groups = () if function.startswith("instance") else (4,)
+        result = GN_FUNCTIONS[function](x, *groups, *params, **kwargs)
+        if out:
+            assert (result[0] if function.endswith("_forward") else result) is kwargs["out"]
+        return result
+    return call, shape
+
+
+@pytest.mark.parametrize("out", (False, True))
+@pytest.mark.parametrize("with_params", (False, True))
+@pytest.mark.parametrize("layout", sorted(GN_LAYOUTS))
+@pytest.mark.parametrize("dtype", _bn_dtypes())
+@pytest.mark.parametrize("function", sorted(GN_FUNCTIONS))
+def test_group_norm_fast_path_is_the_general_path(monkeypatch, function, dtype, layout,
+                                                  with_params, out):
+    """y and the cache: the general path's bits."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+    call, shape = _gn_call(function, dtype, layout, with_params, out)
+    fast, _ = run_both(call, np.float64, shape, monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+
+
+@pytest.mark.parametrize("num_threads", (1, 2, 3))
+def test_group_norm_fast_path_threads(monkeypatch, num_threads):
+    call, shape = _gn_call("group_norm_forward", np.float32, "last", True, False, num_threads)
+    fast, _ = run_both(call, np.float64, shape, monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+
+
+def _gn(d, **changes):
+    """group_norm of a (2, 3, 5, N_COLS) channels-last x (d's x, reshaped) with some change."""
+    x = changes.pop("x", d["x"].reshape(2, 3, 5, N_COLS))
+    kwargs = dict(channel_axis=-1, **changes)
+    num_groups = kwargs.pop("num_groups", 4)
+    gamma = kwargs.pop("gamma", d["gamma"])
+    return fastln.group_norm_forward(x, num_groups, gamma, d["beta"], **kwargs)
+
+
+GN_FALLBACKS = {
+    "fortran-x": lambda d: _gn(d, x=np.asfortranarray(d["x"].reshape(2, 3, 5, N_COLS))),
+    "list-x": lambda d: _gn(d, x=d["x"].reshape(2, 3, 5, N_COLS).tolist()),
+    "int-x": lambda d: _gn(d, x=(d["x"] * 10).astype(np.int64).reshape(2, 3, 5, N_COLS)),
+    "numpy-int-groups": lambda d: _gn(d, num_groups=np.int64(4)),
+    "numpy-int-axis": lambda d: _gn(d, channel_axis=np.int64(-1)),
+    "int-eps": lambda d: _gn(d, eps=0),
+    "numpy-float-eps": lambda d: _gn(d, eps=np.float64(1e-5)),
+    "list-gamma": lambda d: _gn(d, gamma=d["gamma"].tolist()),
+    "float16-gamma": lambda d: _gn(d, gamma=d["gamma"].astype(np.float16)),
+    "strided-gamma": lambda d: _gn(d, gamma=np.repeat(d["gamma"], 2)[::2]),
+    "out-overlaps-gamma": lambda d: fastln.group_norm(
+        d["out"].reshape(-1)[:N_COLS].reshape(1, 1, 1, N_COLS), 4, d["out"].reshape(-1)[:N_COLS],
+        channel_axis=-1, out=d["out"].reshape(-1)[:N_COLS].reshape(1, 1, 1, N_COLS)),
+    "out-is-x": lambda d: fastln.group_norm(d["x"], 4, channel_axis=-1, out=d["x"]),
+    "empty-batch": lambda d: _gn(d, x=d["x"].reshape(2, 3, 5, N_COLS)[:0]),
+    # errors: the general path's, with its message
+    "bool-groups": lambda d: _gn(d, num_groups=True),
+    "groups-not-dividing": lambda d: _gn(d, num_groups=5),
+    "zero-groups": lambda d: _gn(d, num_groups=0),
+    "axis-2": lambda d: _gn(d, channel_axis=2),
+    "one-dimensional-x": lambda d: fastln.group_norm(d["x"][0], 4),
+    "empty-spatial": lambda d: _gn(d, x=d["x"].reshape(2, 3, 5, N_COLS)[:, :0]),
+    "gamma-wrong-length": lambda d: _gn(d, gamma=d["gamma"][1:]),
+    "negative-eps": lambda d: _gn(d, eps=-1.0),
+    "out-readonly": lambda d: _gn(d, out=_readonly(d, "out").reshape(2, 3, 5, N_COLS)),
+    "out-overlaps-x": lambda d: _gn(d, x=d["out"].reshape(2, 3, 5, N_COLS),
+                                    out=d["out"].reshape(2, 3, 5, N_COLS)),
+    "out-wrong-dtype": lambda d: _gn(d, out=d["out"].astype(np.float16).reshape(2, 3, 5, N_COLS)),
+    "threads-zero": lambda d: _gn(d, num_threads=0),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(GN_FALLBACKS))
+def test_group_norm_falls_back(monkeypatch, name, dtype):
+    """Unusual calls decline the fast path and get the general path's result or error."""
+    fast, _ = run_both(GN_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch)
+    assert not fast.took_fast_path, fast.fast_results

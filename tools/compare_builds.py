@@ -289,7 +289,7 @@ def timed_call(module, op, x, residual, dy, gamma, beta, threads):
         return lambda: module.add_rms_norm(x, residual, gamma, out=out, sum_out=s,
                                            num_threads=threads)
     if op in ("group_norm", "group_norm_last"):  # NCHW shapes; 32 groups (fewer if C < 32)
-        groups = np.gcd(32, x.shape[1])
+        groups = int(np.gcd(32, x.shape[1]))
         if op == "group_norm":
             return lambda: module.group_norm(x, groups, gamma, beta, out=out, num_threads=threads)
         x_last = np.ascontiguousarray(np.moveaxis(x, 1, -1))

@@ -28,6 +28,13 @@ from fastln._threads import resolve_num_threads
 def _forward(name, x, num_groups, gamma, beta, eps, channel_axis, out, num_threads,
              keep_cache):
     """y, and with keep_cache the cache; num_groups None: one group per channel."""
+    result = _kernels.group_norm_forward_fast(x, num_groups, gamma, beta, eps, channel_axis, out,
+                                              num_threads, keep_cache)
+    if result is not None:
+        y, mean, rstd, axis, n_groups = result
+        if not keep_cache:
+            return y
+        return y, GroupNormCache(x, mean, rstd, n_groups, axis, eps, x.dtype)
     x, dtype, layout, gamma, beta, eps, num_threads = check_group_norm_args(
         x, num_groups, gamma, beta, eps, channel_axis, num_threads)
     num_threads = resolve_num_threads(num_threads)

@@ -1280,6 +1280,52 @@ def batch_norm_backward_fast(object dy, object x, object mean, object rstd, obje
     return dx, dgamma, dbeta
 
 
+def group_norm_forward_fast(object x, object num_groups, object gamma, object beta, object eps,
+                            object channel_axis, object out, object num_threads,
+                            bint keep_cache):
+    """(y, mean, rstd, channel_axis, num_groups) of GroupNorm's forward - mean and rstd of
+    shape (N, num_groups), None without keep_cache; channel_axis normalized (1 or x.ndim - 1);
+    num_groups None: one group per channel (InstanceNorm) - when its arguments are
+    kernel-ready; None when the call needs the general path (fastln/_group_norm.py), which
+    holds every rule and message."""
+    cdef _FastRows rows
+    if (not _fast_rows(x, num_threads, &rows) or rows.ndim < 2
+            or (num_groups is not None and type(num_groups) is not int)
+            or type(channel_axis) is not int or not _is_fast_eps(eps)):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef Py_ssize_t axis = channel_axis
+    if axis == -1:
+        axis = rows.ndim - 1
+    # As the general path: channel_axis=-1 of a 2-D x is axis 1, channels first.
+    if axis != 1 and axis != rows.ndim - 1:
+        return None
+    cdef Py_ssize_t n_samples = cnp.PyArray_DIM(x_array, 0)
+    cdef Py_ssize_t n_channels = cnp.PyArray_DIM(x_array, axis)
+    if n_samples == 0 or n_channels == 0 or cnp.PyArray_SIZE(x_array) == 0:
+        return None
+    cdef Py_ssize_t n_spatial = cnp.PyArray_SIZE(x_array) // (n_samples * n_channels)
+    if num_groups is None:
+        num_groups = n_channels
+    elif not 1 <= num_groups <= n_channels or n_channels % <Py_ssize_t>num_groups != 0:
+        return None
+    cdef Py_ssize_t n_groups = num_groups
+    if (not _is_param(gamma, rows.param_typenum, n_channels)
+            or not _is_param(beta, rows.param_typenum, n_channels)):
+        return None
+    if (not _is_fast_out(out, x_array) or _overlaps(out, x) or _overlaps(out, gamma)
+            or _overlaps(out, beta)):
+        return None
+    y = out if out is not None else _new_like(x_array, rows.typenum)
+    cdef cnp.npy_intp statistics_shape[2]
+    statistics_shape[0], statistics_shape[1] = n_samples, n_groups
+    mean = cnp.PyArray_EMPTY(2, statistics_shape, rows.param_typenum, 0) if keep_cache else None
+    rstd = cnp.PyArray_EMPTY(2, statistics_shape, rows.param_typenum, 0) if keep_cache else None
+    group_norm_forward(x_array, gamma, beta, y, mean, rstd, n_samples, n_channels, n_groups,
+                       n_spatial, axis != 1, <double>eps, rows.storage, rows.threads)
+    return y, mean, rstd, axis, n_groups
+
+
 def storage_code(cnp.dtype dtype):
     """The storage type of a kernel dtype: native float16, bfloat16 (ml_dtypes), float32 or
     float64, as the Python layer has checked. Meeting bfloat16 lets the recognisers take it."""
