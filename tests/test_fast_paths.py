@@ -1,5 +1,6 @@
 """The C-level fast paths (row_norm_forward_fast, row_norm_backward_fast,
-batch_norm_forward_fast, batch_norm_backward_fast and group_norm_forward_fast in _kernels.pyx).
+batch_norm_forward_fast, batch_norm_backward_fast, group_norm_forward_fast and
+group_norm_backward_fast in _kernels.pyx).
 
 Every public call is run twice on fresh copies of the same inputs: as it is, and with the fast
 paths switched off (each returns None, so the general Python path runs). The two must agree bit
@@ -22,6 +23,7 @@ FAST_FUNCTIONS = (
     (_kernels, "batch_norm_forward_fast"),
     (_kernels, "batch_norm_backward_fast"),
     (_kernels, "group_norm_forward_fast"),
+    (_kernels, "group_norm_backward_fast"),
 )
 N_COLS = 96
 SHAPES = ((N_COLS,), (5, N_COLS), (2, 3, N_COLS), (0, N_COLS))
@@ -1020,3 +1022,110 @@ def test_group_norm_falls_back(monkeypatch, name, dtype):
     """Unusual calls decline the fast path and get the general path's result or error."""
     fast, _ = run_both(GN_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch)
     assert not fast.took_fast_path, fast.fast_results
+
+
+# --------------------------------------------------------------------------------------------
+# GroupNorm's and InstanceNorm's backward
+# --------------------------------------------------------------------------------------------
+
+def _gn_backward_call(op, dtype, layout, with_gamma, out, num_threads=None):
+    """group_norm_forward (4 groups) or instance_norm_forward, then its backward; out None,
+    "out", "dy" or "x" (dx written over dy or x, in place)."""
+    shape, channel_axis = GN_LAYOUTS[layout]
+
+    def call(d):
+        x, dy = d["x"].astype(dtype), d["dy"].astype(dtype)
+        n_channels = x.shape[channel_axis]
+        param_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        gamma = d["gamma"][:n_channels].astype(param_dtype) if with_gamma else None
+        if op == "group_norm":
+            _, cache = fastln.group_norm_forward(x, 4, gamma, None, channel_axis=channel_axis)
+            backward = fastln.group_norm_backward
+        else:
+            _, cache = fastln.instance_norm_forward(x, gamma, None, channel_axis=channel_axis)
+            backward = fastln.instance_norm_backward
+        target = {None: None, "out": np.full(x.shape, np.nan, x.dtype), "dy": dy, "x": x}[out]
+        result = backward(dy, cache, gamma, out=target, num_threads=num_threads)
+        if target is not None:
+            assert result[0] is target
+        return result
+    return call, shape
+
+
+@pytest.mark.parametrize("out", (None, "out", "dy", "x"))
+@pytest.mark.parametrize("with_gamma", (False, True))
+@pytest.mark.parametrize("layout", sorted(GN_LAYOUTS))
+@pytest.mark.parametrize("dtype", _bn_dtypes())
+@pytest.mark.parametrize("op", ("group_norm", "instance_norm"))
+def test_group_norm_backward_fast_path_is_the_general_path(monkeypatch, op, dtype, layout,
+                                                           with_gamma, out):
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+    call, shape = _gn_backward_call(op, dtype, layout, with_gamma, out)
+    fast, _ = run_both(call, np.float64, shape, monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert fast.backward_took_fast_path
+
+
+@pytest.mark.parametrize("num_threads", (1, 2, 3))
+def test_group_norm_backward_threads(monkeypatch, num_threads):
+    call, shape = _gn_backward_call("group_norm", np.float32, "first", True, None, num_threads)
+    fast, _ = run_both(call, np.float64, shape, monkeypatch)
+    assert fast.always_fast
+
+
+def _gn_backward(d, dy=None, out=None, gamma="gamma", backward=None, **cache_fields):
+    """group_norm_backward of a (2, 3, 5, N_COLS) channels-last forward, the cache's fields
+    replaced by cache_fields."""
+    x = d["x"].reshape(2, 3, 5, N_COLS)
+    _, cache = fastln.group_norm_forward(x, 4, d["gamma"], channel_axis=-1)
+    for name, value in cache_fields.items():
+        setattr(cache, name, value(cache) if callable(value) else value)
+    gamma = d["gamma"] if gamma == "gamma" else gamma
+    dy = d["dy"].reshape(x.shape) if dy is None else dy(d)
+    return (backward or fastln.group_norm_backward)(dy, cache, gamma, out=out)
+
+
+def _gn_backward_shifted_out(d):
+    """dx written one row of channels past the start of dy, in the same buffer."""
+    buffer = np.empty(31 * N_COLS, d["dy"].dtype)
+    dy = buffer[:30 * N_COLS].reshape(2, 3, 5, N_COLS)
+    dy[...] = d["dy"].reshape(dy.shape)
+    return _gn_backward(d, dy=lambda d: dy, out=buffer[N_COLS:].reshape(2, 3, 5, N_COLS))
+
+
+GN_BACKWARD_FALLBACKS = {
+    "fortran-dy": lambda d: _gn_backward(d, dy=lambda d: np.asfortranarray(
+        d["dy"].reshape(2, 3, 5, N_COLS))),
+    "list-dy": lambda d: _gn_backward(d, dy=lambda d: d["dy"].reshape(2, 3, 5, N_COLS).tolist()),
+    "numpy-int-groups": lambda d: _gn_backward(d, num_groups=lambda c: np.int64(c.num_groups)),
+    "numpy-int-axis": lambda d: _gn_backward(d, channel_axis=lambda c: np.int64(c.channel_axis)),
+    "numpy-float-eps": lambda d: _gn_backward(d, eps=np.float64(1e-5)),
+    "list-gamma": lambda d: _gn_backward(d, gamma=d["gamma"].tolist()),
+    "float16-mean": lambda d: _gn_backward(d, mean=lambda c: c.mean.astype(np.float16)),
+    "strided-rstd": lambda d: _gn_backward(d, rstd=lambda c: np.repeat(c.rstd, 2, axis=1)[:, ::2]),
+    "flat-mean": lambda d: _gn_backward(d, mean=lambda c: c.mean.reshape(-1)),
+    "out-shifted-on-dy": lambda d: _gn_backward_shifted_out(d),
+    # errors: the general path's, with its message
+    "dy-wrong-shape": lambda d: _gn_backward(d, dy=lambda d: d["dy"].reshape(2, 3, 5, N_COLS)[1:]),
+    "dy-wrong-dtype": lambda d: _gn_backward(
+        d, dy=lambda d: d["dy"].reshape(2, 3, 5, N_COLS).astype(np.float16)),
+    "gamma-wrong-length": lambda d: _gn_backward(d, gamma=d["gamma"][1:]),
+    "groups-not-dividing": lambda d: _gn_backward(d, num_groups=5),
+    "mean-wrong-shape": lambda d: _gn_backward(d, mean=lambda c: c.mean[:1]),
+    "axis-unnormalized": lambda d: _gn_backward(d, channel_axis=-1),
+    "dtype-none": lambda d: _gn_backward(d, dtype=None),
+    "negative-eps": lambda d: _gn_backward(d, eps=-1.0),
+    "out-readonly": lambda d: _gn_backward(d, out=_readonly(d, "out")[:30].reshape(
+        2, 3, 5, N_COLS)),
+    "instance-backward-of-groups": lambda d: _gn_backward(
+        d, backward=fastln.instance_norm_backward),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(GN_BACKWARD_FALLBACKS))
+def test_group_norm_backward_falls_back(monkeypatch, name, dtype):
+    """Unusual calls decline the backward's fast path and get the general path's result or
+    error."""
+    fast, _ = run_both(GN_BACKWARD_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch)
+    assert not fast.backward_took_fast_path, fast.fast_results

@@ -69,6 +69,12 @@ def _forward(name, x, num_groups, gamma, beta, eps, channel_axis, out, num_threa
 def _backward(name, dy, cache, gamma, out, num_threads):
     """(dx, dgamma, dbeta). The checks are made in the order their errors are raised: dy, the
     cache, gamma, num_threads, out."""
+    if type(cache) is GroupNormCache:
+        result = _kernels.group_norm_backward_fast(
+            dy, cache.x, cache.mean, cache.rstd, cache.num_groups, cache.channel_axis,
+            cache.eps, cache.dtype, gamma, out, num_threads, name == "instance_norm")
+        if result is not None:
+            return result
     dy = as_array(dy, "dy")
     cache = check_cache(cache, dy, "group_norm", name)  # the checked copy: fields read once
     n_channels = cache.shape[cache.channel_axis]

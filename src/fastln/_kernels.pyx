@@ -1326,6 +1326,60 @@ def group_norm_forward_fast(object x, object num_groups, object gamma, object be
     return y, mean, rstd, axis, n_groups
 
 
+cdef inline bint _is_group_stats(object value, int typenum, Py_ssize_t n_samples,
+                                 Py_ssize_t n_groups):
+    """A GroupNorm cache's mean or rstd: a kernel array of typenum and shape (N, num_groups)."""
+    return (_is_kernel_array(value, typenum) and cnp.PyArray_NDIM(<cnp.ndarray>value) == 2
+            and cnp.PyArray_DIM(<cnp.ndarray>value, 0) == n_samples
+            and cnp.PyArray_DIM(<cnp.ndarray>value, 1) == n_groups)
+
+
+def group_norm_backward_fast(object dy, object x, object mean, object rstd, object num_groups,
+                             object channel_axis, object eps, object dtype, object gamma,
+                             object out, object num_threads, bint one_group_per_channel):
+    """(dx, dgamma, dbeta) of GroupNorm's backward when the cache's fields (x, mean, rstd,
+    num_groups, channel_axis, eps, dtype) are as group_norm_forward made them and the arguments
+    are kernel-ready (one_group_per_channel: InstanceNorm's backward, whose cache must have a
+    group per channel); None when the call needs the general path (fastln/_group_norm.py),
+    which holds every rule and message."""
+    cdef _FastRows rows
+    if (not _fast_rows(x, num_threads, &rows) or rows.ndim < 2 or type(num_groups) is not int
+            or type(channel_axis) is not int or not _is_fast_eps(eps) or dtype is None
+            or not _is_cache_dtype(dtype, x) or not _is_kernel_array(dy, rows.typenum)
+            or not _same_shape(<cnp.ndarray>dy, <cnp.ndarray>x)):
+        return None
+    cdef cnp.ndarray x_array = <cnp.ndarray>x
+    cdef Py_ssize_t axis = channel_axis
+    # A cache's channel_axis is normalized: 1, or x.ndim - 1 (channels last).
+    if axis != 1 and axis != rows.ndim - 1:
+        return None
+    cdef Py_ssize_t n_samples = cnp.PyArray_DIM(x_array, 0)
+    cdef Py_ssize_t n_channels = cnp.PyArray_DIM(x_array, axis)
+    if n_samples == 0 or n_channels == 0 or cnp.PyArray_SIZE(x_array) == 0:
+        return None
+    cdef Py_ssize_t n_spatial = cnp.PyArray_SIZE(x_array) // (n_samples * n_channels)
+    if (not 1 <= num_groups <= n_channels or n_channels % <Py_ssize_t>num_groups != 0
+            or (one_group_per_channel and num_groups != n_channels)):
+        return None
+    cdef Py_ssize_t n_groups = num_groups
+    if (not _is_group_stats(mean, rows.param_typenum, n_samples, n_groups)
+            or not _is_group_stats(rstd, rows.param_typenum, n_samples, n_groups)
+            or not _is_param(gamma, rows.param_typenum, n_channels)):
+        return None
+    # dx may be dy or x itself (in place).
+    if (not _is_fast_out(out, x_array) or _overlaps(out, gamma) or _overlaps(out, mean)
+            or _overlaps(out, rstd) or _clobbers(out, dy) or _clobbers(out, x)):
+        return None
+    dx = out if out is not None else _new_like(x_array, rows.typenum)
+    cdef cnp.npy_intp shape = n_channels
+    dgamma = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
+    dbeta = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
+    group_norm_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
+                        dx, dgamma, dbeta, n_samples, n_channels, n_groups, n_spatial, axis > 1,
+                        <double>eps, rows.storage, rows.threads)
+    return dx, dgamma, dbeta
+
+
 def storage_code(cnp.dtype dtype):
     """The storage type of a kernel dtype: native float16, bfloat16 (ml_dtypes), float32 or
     float64, as the Python layer has checked. Meeting bfloat16 lets the recognisers take it."""
