@@ -163,7 +163,9 @@ static void *fastln_pool_worker(void *start)
  * futex call and the other vCPU's return from idle) costs tens of microseconds and can put the
  * woken thread on the caller's own vCPU for a while, which made an isolated small call slower
  * than a serial one (docs/performance.md); in a run of calls the woken workers then stay awake
- * (polling) for the next ones. Workers still polling join any job. */
+ * (polling) for the next ones. Under OMP_WAIT_POLICY=passive they do not poll, so every small
+ * job would pay the wake-up again: there small jobs never wake anyone. Workers still polling
+ * join any job. */
 #define FASTLN_POOL_WAKE_ELEMENTS (1 << 20)
 #define FASTLN_POOL_RECENT_NS 1000000L
 
@@ -196,7 +198,8 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
      * parts). */
     int to_wake = fastln_pool.n_sleeping < helpers ? fastln_pool.n_sleeping : helpers;
     if (n_elements < FASTLN_POOL_WAKE_ELEMENTS
-        && fastln_now_ns() - fastln_pool.last_end_ns > FASTLN_POOL_RECENT_NS)
+        && (fastln_pool_spin_ns() == 0
+            || fastln_now_ns() - fastln_pool.last_end_ns > FASTLN_POOL_RECENT_NS))
         to_wake = 0;
     for (int i = 0; i < to_wake; i++) pthread_cond_signal(&fastln_pool.wake);
     if (fastln_pool.n_workers < helpers) {
