@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import fastln
+from fastln import reference
 from conftest import DTYPES, LAYOUTS, assert_bitwise_equal, make_layout, random_input, random_params
 
 BIG_SHAPES = [(2048, 256), (300, 1000), (1000, 67), (97, 1023)]
@@ -344,6 +345,37 @@ def test_streamed_outputs_equal_the_same_rows_in_a_small_batch(dtype, in_place):
     assert_bitwise_equal(dgamma_again, dgamma, err_msg="dgamma")
     assert_bitwise_equal(dbeta_again, dbeta, err_msg="dbeta")
 
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_float32_backward_beyond_the_cache_takes_rows_alone_with_the_same_bits(rms):
+    """A float32 backward whose dy, x and dx reach 32 MiB takes its rows one at a time (rows
+    of at most 8 KiB, dx not streamed: 1000 columns, 12 MB of dx); the same rows in a small
+    batch, written in groups, give the same dx bits, and 1 and 2 threads the same dgamma."""
+    n_cols = 1000
+    n_rows = STREAMING_BYTES // (3 * 4 * n_cols) + 7
+    rng = np.random.default_rng(12)
+    x = random_input(rng, (n_rows, n_cols), np.float32, offset=5.0)
+    gamma, beta = random_params(rng, (n_cols,), np.float32)
+    dy = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    assert 3 * x.nbytes >= STREAMING_BYTES > x.nbytes
+    forward = fastln.rms_norm_forward if rms else fastln.layer_norm_forward
+    backward = fastln.rms_norm_backward if rms else fastln.layer_norm_backward
+    params = (gamma,) if rms else (gamma, beta)
+    _, cache = forward(x, *params)
+    results = [backward(dy, cache, gamma, num_threads=t) for t in (1, 2)]
+    for one, two in zip(*results):
+        assert_bitwise_equal(one, two)
+    rows = np.array([0, 1, 2, 3, 4, n_rows // 2, n_rows - 1])
+    _, cache_few = forward(x[rows], *params)
+    dx_few = backward(dy[rows], cache_few, gamma)[0]
+    assert_bitwise_equal(dx_few, results[0][0][rows], err_msg="dx")
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    exact = (reference.rms_norm_backward(dy64, reference.rms_norm_forward(x64, gamma)[1], gamma)
+             if rms else reference.layer_norm_backward(
+                 dy64, reference.layer_norm_forward(x64, gamma, beta)[1], gamma))
+    for got, want in zip(results[0], exact):
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 # --------------------------------------------------------------------------------------------
 # The backward's grouped write pass and its row-by-row fallback: the same bits

@@ -90,6 +90,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
     const FASTLN_P *mean = call->mean, *rstd = call->rstd;
+    const int64_t group = call->rows_alone ? 1 : FASTLN_BACKWARD_GROUP;
     for (int64_t block = begin; block < end; block++) {
         const int64_t row_start = block * call->rows_per_block;
         const int64_t row_end = fastln_min(row_start + call->rows_per_block, call->n_rows);
@@ -103,7 +104,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
         double *dgamma_acc = dgamma_partial, *dbeta_acc = dbeta_partial;
 #endif
         for (int64_t row = row_start; row < row_end;) {
-            const int64_t count = fastln_min(FASTLN_BACKWARD_GROUP, row_end - row);
+            const int64_t count = fastln_min(group, row_end - row);
             FASTLN_NAME(layer_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
                                                   mean + row, rstd + row, call->eps,
                                                   dx + row * n, count, n, dgamma_acc, dbeta_acc,
@@ -126,12 +127,13 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
     const FASTLN_P *rstd = call->rstd;
+    const int64_t group = call->rows_alone ? 1 : FASTLN_BACKWARD_GROUP;
     for (int64_t block = begin; block < end; block++) {
         const int64_t row_start = block * call->rows_per_block;
         const int64_t row_end = fastln_min(row_start + call->rows_per_block, call->n_rows);
         double *dgamma_partial = call->partials + block * n;
         for (int64_t row = row_start; row < row_end;) {
-            const int64_t count = fastln_min(FASTLN_BACKWARD_GROUP, row_end - row);
+            const int64_t count = fastln_min(group, row_end - row);
             FASTLN_NAME(rms_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
                                                 rstd + row, call->eps, dx + row * n, count, n,
                                                 dgamma_partial, call->streaming);

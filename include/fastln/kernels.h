@@ -87,6 +87,10 @@ typedef struct {
     int64_t n_rows, n_cols;
     double eps;
     int streaming;                   /* outputs far larger than the caches: non-temporal stores */
+    int rows_alone;                  /* backwards: each row's write pass on its own, not in
+                                      * groups of FASTLN_BACKWARD_GROUP (dy, x and dx beyond the
+                                      * cache: a row's two passes then overlap the next row's
+                                      * loads better; docs/performance.md) */
     /* Backwards: row blocks of rows_per_block rows, each with its own zeroed partial sums (one
      * or two rows of n_cols doubles: dgamma, then dbeta) and, for the float32-compute types, its
      * own zeroed float accumulators (two rows of n_cols); the column sums go to dgamma and dbeta

@@ -58,7 +58,7 @@ cdef extern from "fastln/kernels.h" nogil:
         void *rstd
         int64_t n_rows, n_cols
         double eps
-        int streaming
+        int streaming, rows_alone
         int64_t n_blocks, rows_per_block
         double *partials
         float *accumulators
@@ -236,12 +236,16 @@ def set_default_num_threads(int num_threads):
 # Below MIN_ELEMENTS_FOR_THREADS elements a call runs on the calling thread: handing parts to a
 # worker costs more than the work (see docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
 # and more are written with non-temporal stores: below, the output would still have been in
-# cache. GroupNorm and BatchNorm's rows layout stream y (dx) from smaller inputs, of
+# cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
+# its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
+# (measured faster there; slower in cache, for longer rows and for float64; the same for the
+# half types). GroupNorm and BatchNorm's rows layout stream y (dx) from smaller inputs, of
 # GN_MIN_BYTES_FOR_STREAMING and BN_MIN_BYTES_FOR_STREAMING, where that measured faster
 # (docs/performance.md).
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
+    MAX_ROW_BYTES_ALONE = 8 * 1024
     GN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
 
@@ -290,6 +294,7 @@ cdef inline void _rows_call(fastln_rows_call *call, const void *x, Py_ssize_t n_
     call.n_cols = n_cols
     call.eps = eps
     call.streaming = output_bytes >= MIN_BYTES_FOR_STREAMING
+    call.rows_alone = 0
     call.n_blocks = call.rows_per_block = 0
     call.partials = NULL
     call.accumulators = NULL
@@ -393,6 +398,10 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     float32-compute types, float accumulators), then the column sums in block order."""
     call.n_blocks = fastln_row_blocks(call.n_rows)
     call.rows_per_block = (call.n_rows + call.n_blocks - 1) // call.n_blocks
+    cdef Py_ssize_t row_bytes = 4 * call.n_cols
+    call.rows_alone = (storage == FASTLN_FLOAT32
+                       and 3 * row_bytes * call.n_rows >= MIN_BYTES_FOR_STREAMING
+                       and row_bytes <= MAX_ROW_BYTES_ALONE)
     call.partials = <double*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(double))
     if storage != FASTLN_FLOAT64:
         call.accumulators = <float*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(float))
