@@ -823,6 +823,20 @@ cdef inline bint _clobbers(object out, object source):
             or cnp.PyArray_NBYTES(<cnp.ndarray>out) != cnp.PyArray_NBYTES(<cnp.ndarray>source))
 
 
+cdef inline bint _clobbers_backward_inputs(object out, object dy, object x, object gamma,
+                                           object mean, object rstd):
+    """Whether a backward's dx in out could change what the backward reads: out may be dy or x
+    itself (in place) but must not otherwise overlap them, gamma or the statistics."""
+    return (_overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd)
+            or _clobbers(out, dy) or _clobbers(out, x))
+
+
+cdef inline object _zero_sums(Py_ssize_t n, int typenum):
+    """A backward's dgamma or dbeta: n zeros of typenum, for the kernels to add into."""
+    cdef cnp.npy_intp shape = n
+    return cnp.PyArray_ZEROS(1, &shape, typenum, 0)
+
+
 cdef inline bint _same_leading_dims(cnp.ndarray a, cnp.ndarray b, int ndim):
     cdef int axis
     for axis in range(ndim):
@@ -1029,9 +1043,7 @@ def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rs
             or not (rms or _is_row_stats(mean, rows.param_typenum, x_array))
             or not _is_row_stats(rstd, rows.param_typenum, x_array)):
         return None
-    # dx may be dy or x itself (in place).
-    if (_overlaps(out, gamma) or _overlaps(out, mean) or _overlaps(out, rstd)
-            or _clobbers(out, dy) or _clobbers(out, x)):
+    if _clobbers_backward_inputs(out, dy, x, gamma, mean, rstd):
         return None
     dx = out if out is not None else _new_like(x_array, rows.typenum)
     dgamma = _new_column_sums(x_array, rows.param_typenum)
@@ -1275,14 +1287,12 @@ def batch_norm_backward_fast(object dy, object x, object mean, object rstd, obje
             or not _is_param(rstd, cnp.NPY_FLOAT64, n_features)
             or not _is_param(gamma, rows.param_typenum, n_features)):
         return None
-    # dx may be dy or x itself (in place).
-    if (not _is_fast_out(out, x_array) or _overlaps(out, gamma) or _overlaps(out, mean)
-            or _overlaps(out, rstd) or _clobbers(out, dy) or _clobbers(out, x)):
+    if (not _is_fast_out(out, x_array)
+            or _clobbers_backward_inputs(out, dy, x, gamma, mean, rstd)):
         return None
     dx = out if out is not None else _new_like(x_array, rows.typenum)
-    cdef cnp.npy_intp shape = n_features
-    dgamma = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
-    dbeta = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
+    dgamma = _zero_sums(n_features, rows.param_typenum)
+    dbeta = _zero_sums(n_features, rows.param_typenum)
     batch_norm_backward(<cnp.ndarray>dy, x_array, dx, dgamma, dbeta, n_outer, n_features,
                         n_inner, _as_float64(gamma), mean, rstd, <bint>training, <double>eps,
                         rows.storage, rows.threads)
@@ -1375,14 +1385,12 @@ def group_norm_backward_fast(object dy, object x, object mean, object rstd, obje
             or not _is_group_stats(rstd, rows.param_typenum, n_samples, n_groups)
             or not _is_param(gamma, rows.param_typenum, n_channels)):
         return None
-    # dx may be dy or x itself (in place).
-    if (not _is_fast_out(out, x_array) or _overlaps(out, gamma) or _overlaps(out, mean)
-            or _overlaps(out, rstd) or _clobbers(out, dy) or _clobbers(out, x)):
+    if (not _is_fast_out(out, x_array)
+            or _clobbers_backward_inputs(out, dy, x, gamma, mean, rstd)):
         return None
     dx = out if out is not None else _new_like(x_array, rows.typenum)
-    cdef cnp.npy_intp shape = n_channels
-    dgamma = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
-    dbeta = cnp.PyArray_ZEROS(1, &shape, rows.param_typenum, 0)
+    dgamma = _zero_sums(n_channels, rows.param_typenum)
+    dbeta = _zero_sums(n_channels, rows.param_typenum)
     group_norm_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
                         dx, dgamma, dbeta, n_samples, n_channels, n_groups, n_spatial, axis > 1,
                         <double>eps, rows.storage, rows.threads)
