@@ -471,7 +471,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_vector)(
 {
     FASTLN_VF dgamma = FASTLN_ISA(load_f32)(dgamma_acc + i);
     FASTLN_VF dbeta = FASTLN_ISA(load_f32)(dbeta_acc + i);
-    const FASTLN_VF gamma_v = gamma ? FASTLN_NAME(load_p)(gamma + i) : dgamma;
+    const FASTLN_VF gamma_v = gamma ? FASTLN_NAME(load_p)(gamma + i) : dgamma; /* unused then */
     const FASTLN_VF dx_v = FASTLN_NAME(ln_backward_dx_float)(
         dy + i, x + i, gamma ? &gamma_v : NULL, row, &dgamma, &dbeta);
     FASTLN_ISA(store_f32)(dgamma_acc + i, dgamma);
@@ -521,6 +521,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
         for (int v = 0; v < VECTORS; v++) {
             dgamma[v] = FASTLN_ISA(load_f32)(dgamma_acc + i + v * FASTLN_VF_LANES);
             dbeta[v] = FASTLN_ISA(load_f32)(dbeta_acc + i + v * FASTLN_VF_LANES);
+            /* without gamma, any value: ln_backward_dx_float does not read it */
             gamma_v[v] = gamma ? FASTLN_NAME(load_p)(gamma + i + v * FASTLN_VF_LANES) : dgamma[v];
         }
         for (int64_t r = 0; r < n_rows; r++) {
