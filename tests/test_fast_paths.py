@@ -828,6 +828,11 @@ def test_batch_norm_falls_back(monkeypatch, name, dtype):
 # BatchNorm's backward
 # --------------------------------------------------------------------------------------------
 
+def _dx_target(out, x, dy):
+    """The out= of a backward test: None, a fresh "out" array, or dy or x itself (in place)."""
+    return {None: None, "out": np.full(x.shape, np.nan, x.dtype), "dy": dy, "x": x}[out]
+
+
 def _bn_backward_call(dtype, layout, training, with_gamma, out, num_threads=None):
     """batch_norm_forward then batch_norm_backward of x in `dtype`; out None, "out", "dy" or
     "x" (dx written over dy or x, in place)."""
@@ -839,7 +844,7 @@ def _bn_backward_call(dtype, layout, training, with_gamma, out, num_threads=None
                                      (np.abs(d["gamma"][:N_COLS]) + 0.5).astype(param_dtype))
         _, cache = fastln.batch_norm_forward(x, gamma, None, *stats, training=training,
                                              axis=BN_LAYOUTS[layout][1])
-        target = {None: None, "out": np.full(x.shape, np.nan, x.dtype), "dy": dy, "x": x}[out]
+        target = _dx_target(out, x, dy)
         result = fastln.batch_norm_backward(dy, cache, gamma, out=target,
                                             num_threads=num_threads)
         if target is not None:
@@ -1004,6 +1009,7 @@ GN_FALLBACKS = {
     "groups-not-dividing": lambda d: _gn(d, num_groups=5),
     "zero-groups": lambda d: _gn(d, num_groups=0),
     "axis-2": lambda d: _gn(d, channel_axis=2),
+    "axis-beyond-any-int": lambda d: _gn(d, channel_axis=10 ** 30),
     "one-dimensional-x": lambda d: fastln.group_norm(d["x"][0], 4),
     "empty-spatial": lambda d: _gn(d, x=d["x"].reshape(2, 3, 5, N_COLS)[:, :0]),
     "gamma-wrong-length": lambda d: _gn(d, gamma=d["gamma"][1:]),
@@ -1044,7 +1050,7 @@ def _gn_backward_call(op, dtype, layout, with_gamma, out, num_threads=None):
         else:
             _, cache = fastln.instance_norm_forward(x, gamma, None, channel_axis=channel_axis)
             backward = fastln.instance_norm_backward
-        target = {None: None, "out": np.full(x.shape, np.nan, x.dtype), "dy": dy, "x": x}[out]
+        target = _dx_target(out, x, dy)
         result = backward(dy, cache, gamma, out=target, num_threads=num_threads)
         if target is not None:
             assert result[0] is target
@@ -1113,6 +1119,7 @@ GN_BACKWARD_FALLBACKS = {
     "groups-not-dividing": lambda d: _gn_backward(d, num_groups=5),
     "mean-wrong-shape": lambda d: _gn_backward(d, mean=lambda c: c.mean[:1]),
     "axis-unnormalized": lambda d: _gn_backward(d, channel_axis=-1),
+    "axis-beyond-any-int": lambda d: _gn_backward(d, channel_axis=10 ** 30),
     "dtype-none": lambda d: _gn_backward(d, dtype=None),
     "negative-eps": lambda d: _gn_backward(d, eps=-1.0),
     "out-readonly": lambda d: _gn_backward(d, out=_readonly(d, "out")[:30].reshape(

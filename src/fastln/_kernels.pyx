@@ -398,7 +398,7 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     float32-compute types, float accumulators), then the column sums in block order."""
     call.n_blocks = fastln_row_blocks(call.n_rows)
     call.rows_per_block = (call.n_rows + call.n_blocks - 1) // call.n_blocks
-    cdef Py_ssize_t row_bytes = 4 * call.n_cols
+    cdef Py_ssize_t row_bytes = call.n_cols * sizeof(float)  # read only for float32
     call.rows_alone = (storage == FASTLN_FLOAT32
                        and 3 * row_bytes * call.n_rows >= MIN_BYTES_FOR_STREAMING
                        and row_bytes <= MAX_ROW_BYTES_ALONE)
@@ -835,6 +835,18 @@ cdef inline object _zero_sums(Py_ssize_t n, int typenum):
     """A backward's dgamma or dbeta: n zeros of typenum, for the kernels to add into."""
     cdef cnp.npy_intp shape = n
     return cnp.PyArray_ZEROS(1, &shape, typenum, 0)
+
+
+cdef inline object _backward_outputs(object out, cnp.ndarray x, object dy, object gamma,
+                                     object mean, object rstd, Py_ssize_t n_params,
+                                     int typenum, int param_typenum):
+    """(dx, dgamma, dbeta) of a recognised per-channel backward (BatchNorm, GroupNorm): dx out,
+    when it is a kernel array like x that _clobbers_backward_inputs allows, or a new array;
+    dgamma and dbeta n_params zeros. None when out needs the general path."""
+    if not _is_fast_out(out, x) or _clobbers_backward_inputs(out, dy, x, gamma, mean, rstd):
+        return None
+    dx = out if out is not None else _new_like(x, typenum)
+    return dx, _zero_sums(n_params, param_typenum), _zero_sums(n_params, param_typenum)
 
 
 cdef inline bint _same_leading_dims(cnp.ndarray a, cnp.ndarray b, int ndim):
@@ -1287,16 +1299,37 @@ def batch_norm_backward_fast(object dy, object x, object mean, object rstd, obje
             or not _is_param(rstd, cnp.NPY_FLOAT64, n_features)
             or not _is_param(gamma, rows.param_typenum, n_features)):
         return None
-    if (not _is_fast_out(out, x_array)
-            or _clobbers_backward_inputs(out, dy, x, gamma, mean, rstd)):
+    outputs = _backward_outputs(out, x_array, dy, gamma, mean, rstd, n_features, rows.typenum,
+                                rows.param_typenum)
+    if outputs is None:
         return None
-    dx = out if out is not None else _new_like(x_array, rows.typenum)
-    dgamma = _zero_sums(n_features, rows.param_typenum)
-    dbeta = _zero_sums(n_features, rows.param_typenum)
+    dx, dgamma, dbeta = outputs
     batch_norm_backward(<cnp.ndarray>dy, x_array, dx, dgamma, dbeta, n_outer, n_features,
                         n_inner, _as_float64(gamma), mean, rstd, <bint>training, <double>eps,
                         rows.storage, rows.threads)
-    return dx, dgamma, dbeta
+    return outputs
+
+
+cdef inline bint _group_layout_of(cnp.ndarray x, int ndim, Py_ssize_t axis, object num_groups,
+                                  Py_ssize_t *n_samples, Py_ssize_t *n_channels,
+                                  Py_ssize_t *n_groups, Py_ssize_t *n_spatial):
+    """The GroupNorm layout of x, its channels on axis (normalized: 1, or ndim - 1 for channels
+    last), in num_groups groups (an int, or None: one per channel); False when x is empty or the
+    groups do not divide the channels: the general path's to refuse."""
+    if axis != 1 and axis != ndim - 1:
+        return False
+    n_samples[0] = cnp.PyArray_DIM(x, 0)
+    n_channels[0] = cnp.PyArray_DIM(x, axis)
+    if n_samples[0] == 0 or n_channels[0] == 0 or cnp.PyArray_SIZE(x) == 0:
+        return False
+    n_spatial[0] = cnp.PyArray_SIZE(x) // (n_samples[0] * n_channels[0])
+    if num_groups is None:
+        n_groups[0] = n_channels[0]
+        return True
+    if not 1 <= num_groups <= n_channels[0] or n_channels[0] % <Py_ssize_t>num_groups != 0:
+        return False
+    n_groups[0] = num_groups
+    return True
 
 
 def group_norm_forward_fast(object x, object num_groups, object gamma, object beta, object eps,
@@ -1310,25 +1343,16 @@ def group_norm_forward_fast(object x, object num_groups, object gamma, object be
     cdef _FastRows rows
     if (not _fast_rows(x, num_threads, &rows) or rows.ndim < 2
             or (num_groups is not None and type(num_groups) is not int)
-            or type(channel_axis) is not int or not _is_fast_eps(eps)):
+            or type(channel_axis) is not int or not -rows.ndim <= channel_axis < rows.ndim
+            or not _is_fast_eps(eps)):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef Py_ssize_t axis = channel_axis
-    if axis == -1:
-        axis = rows.ndim - 1
     # As the general path: channel_axis=-1 of a 2-D x is axis 1, channels first.
-    if axis != 1 and axis != rows.ndim - 1:
+    cdef Py_ssize_t axis = rows.ndim - 1 if channel_axis == -1 else channel_axis
+    cdef Py_ssize_t n_samples, n_channels, n_groups, n_spatial
+    if not _group_layout_of(x_array, rows.ndim, axis, num_groups, &n_samples, &n_channels,
+                            &n_groups, &n_spatial):
         return None
-    cdef Py_ssize_t n_samples = cnp.PyArray_DIM(x_array, 0)
-    cdef Py_ssize_t n_channels = cnp.PyArray_DIM(x_array, axis)
-    if n_samples == 0 or n_channels == 0 or cnp.PyArray_SIZE(x_array) == 0:
-        return None
-    cdef Py_ssize_t n_spatial = cnp.PyArray_SIZE(x_array) // (n_samples * n_channels)
-    if num_groups is None:
-        num_groups = n_channels
-    elif not 1 <= num_groups <= n_channels or n_channels % <Py_ssize_t>num_groups != 0:
-        return None
-    cdef Py_ssize_t n_groups = num_groups
     if (not _is_param(gamma, rows.param_typenum, n_channels)
             or not _is_param(beta, rows.param_typenum, n_channels)):
         return None
@@ -1363,38 +1387,31 @@ def group_norm_backward_fast(object dy, object x, object mean, object rstd, obje
     which holds every rule and message."""
     cdef _FastRows rows
     if (not _fast_rows(x, num_threads, &rows) or rows.ndim < 2 or type(num_groups) is not int
-            or type(channel_axis) is not int or not _is_fast_eps(eps) or dtype is None
+            or type(channel_axis) is not int or not 0 <= channel_axis < rows.ndim
+            or not _is_fast_eps(eps) or dtype is None
             or not _is_cache_dtype(dtype, x) or not _is_kernel_array(dy, rows.typenum)
             or not _same_shape(<cnp.ndarray>dy, <cnp.ndarray>x)):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    cdef Py_ssize_t axis = channel_axis
-    # A cache's channel_axis is normalized: 1, or x.ndim - 1 (channels last).
-    if axis != 1 and axis != rows.ndim - 1:
+    # A cache's channel_axis is normalized already: -1 there is a forged cache.
+    cdef Py_ssize_t n_samples, n_channels, n_groups, n_spatial
+    if (not _group_layout_of(x_array, rows.ndim, channel_axis, num_groups, &n_samples,
+                             &n_channels, &n_groups, &n_spatial)
+            or (one_group_per_channel and n_groups != n_channels)):
         return None
-    cdef Py_ssize_t n_samples = cnp.PyArray_DIM(x_array, 0)
-    cdef Py_ssize_t n_channels = cnp.PyArray_DIM(x_array, axis)
-    if n_samples == 0 or n_channels == 0 or cnp.PyArray_SIZE(x_array) == 0:
-        return None
-    cdef Py_ssize_t n_spatial = cnp.PyArray_SIZE(x_array) // (n_samples * n_channels)
-    if (not 1 <= num_groups <= n_channels or n_channels % <Py_ssize_t>num_groups != 0
-            or (one_group_per_channel and num_groups != n_channels)):
-        return None
-    cdef Py_ssize_t n_groups = num_groups
     if (not _is_group_stats(mean, rows.param_typenum, n_samples, n_groups)
             or not _is_group_stats(rstd, rows.param_typenum, n_samples, n_groups)
             or not _is_param(gamma, rows.param_typenum, n_channels)):
         return None
-    if (not _is_fast_out(out, x_array)
-            or _clobbers_backward_inputs(out, dy, x, gamma, mean, rstd)):
+    outputs = _backward_outputs(out, x_array, dy, gamma, mean, rstd, n_channels, rows.typenum,
+                                rows.param_typenum)
+    if outputs is None:
         return None
-    dx = out if out is not None else _new_like(x_array, rows.typenum)
-    dgamma = _zero_sums(n_channels, rows.param_typenum)
-    dbeta = _zero_sums(n_channels, rows.param_typenum)
+    dx, dgamma, dbeta = outputs
     group_norm_backward(<cnp.ndarray>dy, x_array, gamma, <cnp.ndarray>mean, <cnp.ndarray>rstd,
-                        dx, dgamma, dbeta, n_samples, n_channels, n_groups, n_spatial, axis > 1,
-                        <double>eps, rows.storage, rows.threads)
-    return dx, dgamma, dbeta
+                        dx, dgamma, dbeta, n_samples, n_channels, n_groups, n_spatial,
+                        channel_axis > 1, <double>eps, rows.storage, rows.threads)
+    return outputs
 
 
 def storage_code(cnp.dtype dtype):
