@@ -499,3 +499,91 @@ def test_inference_calls_check_the_width_and_threads():
             ft.LayerNorm(8)(torch.randn(2, 9))
         with pytest.raises(ValueError, match="num_threads"):
             ft.LayerNorm(8, num_threads=0)(torch.randn(2, 8))
+
+
+def _hooked_calls(norm, x):
+    """The module's output under each kind of hook Module.__call__ runs."""
+    results = {}
+    handle = norm.register_forward_hook(lambda module, args, out: out * 2)
+    results["forward_hook"] = norm(x)
+    handle.remove()
+    handle = norm.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    results["forward_pre_hook"] = norm(x)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: out + 5)
+    try:
+        results["global_forward_hook"] = norm(x)
+    finally:
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: (args[0] * 3,))
+    try:
+        results["global_forward_pre_hook"] = norm(x)
+    finally:
+        handle.remove()
+    results["plain"] = norm(x)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "patched"])
+def test_inference_shortcut_keeps_every_hook(kind):
+    """The inference shortcut past Module.__call__ is taken only when that call would do nothing
+    but forward: module and global hooks still run, with fastln computing the result."""
+    n = 16
+    norm = {"layer_norm": lambda: ft.LayerNorm(n), "rms_norm": lambda: ft.RMSNorm(n),
+            "patched": lambda: ft.patch(torch.nn.LayerNorm(n))}[kind]()
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.normal_()
+    x = torch.randn(3, n)
+    with torch.inference_mode():
+        results = _hooked_calls(norm, x)
+        plain = norm.forward(x)
+        torch.testing.assert_close(results["forward_hook"], plain * 2)
+        torch.testing.assert_close(results["forward_pre_hook"], norm.forward(x + 1))
+        torch.testing.assert_close(results["global_forward_hook"], plain + 5)
+        torch.testing.assert_close(results["global_forward_pre_hook"], norm.forward(x * 3))
+        assert_bitwise_equal(results["plain"].numpy(), plain.numpy(), "no hooks")
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_inference_shortcut_is_taken_only_without_hooks(monkeypatch, kind):
+    """A hook-free inference call never enters Module.__call__; a call with a hook, with grad
+    enabled, or with extra arguments does."""
+    entered = []
+
+    def module_call(module, *args, **kwargs):
+        entered.append(len(args))
+        return torch.nn.Module.__call__(module, *args, **kwargs)
+
+    monkeypatch.setattr(ft, "_module_call", module_call)
+    norm = ft.LayerNorm(8) if kind == "layer_norm" else ft.RMSNorm(8)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        norm(x)
+        assert entered == []
+        handle = norm.register_forward_hook(lambda module, args, out: None)
+        norm(x)
+        handle.remove()
+        assert entered == [1]
+    norm(x)  # grad enabled: the autograd path
+    assert entered == [1, 1]
+    with torch.no_grad(), pytest.raises(TypeError):
+        norm(x, x)  # forward takes one input: Module.__call__ raises as torch's modules do
+    assert entered == [1, 1, 2]
+
+
+def test_inference_shortcut_under_torch_compile():
+    """Compiled modules (torch.compile and Module.compile) still give fastln's results."""
+    norm = ft.LayerNorm(16)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = norm(x)
+        compiled = torch.compile(norm, backend="eager")
+        torch.testing.assert_close(compiled(x), expected)
+        norm.compile(backend="eager")
+        torch.testing.assert_close(norm(x), expected)

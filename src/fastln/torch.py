@@ -12,7 +12,9 @@ later) and is only imported when asked for::
 - :class:`LayerNorm`, :class:`RMSNorm` and :class:`GroupNorm` subclass ``torch.nn.LayerNorm``,
   ``torch.nn.RMSNorm`` and ``torch.nn.GroupNorm``: same constructor, same parameters, same ``state_dict`` keys
   (``weight``, ``bias``), ``isinstance(m, torch.nn.LayerNorm)`` still holds. Only ``forward``
-  differs: it runs fastln's kernels through a ``torch.autograd.Function``.
+  differs: it runs fastln's kernels through a ``torch.autograd.Function``; and LayerNorm's and
+  RMSNorm's ``__call__`` hands an inference call without hooks straight to the kernel (hooks,
+  ``module.compile()`` and tracing still go through ``torch.nn.Module.__call__``).
 - **No copies** for CPU tensors that are contiguous float32, float64, float16 or bfloat16:
   inference calls (``torch.no_grad()``, ``torch.inference_mode()``) normalizing one axis read
   the tensor's memory where it lies; other calls view it as a NumPy array. fastln's output
@@ -53,6 +55,7 @@ import numpy as np
 try:
     import torch
     import torch.nn.functional as F
+    from torch.nn.modules import module as _torch_module
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError(
         "fastln.torch needs PyTorch, which fastln does not install: pip install torch"
@@ -87,6 +90,12 @@ _kernels.register_torch(torch.Tensor, torch.strided, {
 }, torch.bfloat16, torch.from_numpy)
 _forward_tensor = _kernels.row_norm_forward_tensor
 _LAYER_NORM, _RMS_NORM = _kernels.LAYER_NORM, _kernels.RMS_NORM
+
+# What Module.__call__ looks at before it calls forward (see _InferenceShortcut).
+_module_call = torch.nn.Module.__call__
+_tracing_state = torch._C._get_tracing_state
+_global_hooks = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
+                 _torch_module._global_backward_hooks, _torch_module._global_backward_pre_hooks)
 
 
 def _handles(tensor: torch.Tensor) -> bool:
@@ -533,7 +542,41 @@ def _shape_list(normalized_shape: _ShapeLike) -> list[int]:
     return [int(n) for n in normalized_shape]
 
 
-class LayerNorm(torch.nn.LayerNorm):
+class _InferenceShortcut:
+    """``__call__`` of fastln's LayerNorm and RMSNorm: an inference call on one tensor, over
+    one axis, that Module.__call__ would only hand to forward (no hooks of the module's or
+    global ones, no ``module.compile()``, no TorchScript trace: Module.__call__'s own shortcut)
+    goes straight to the kernel, which reads the tensor's memory in place. Module.__call__ and
+    forward's frame cost more than the kernel of a 768-wide row (docs/performance.md, "The
+    PyTorch drop-in's glue"), so the steps are spelled out here rather than in helpers. Every
+    other call, and every tensor the recogniser refuses (other devices and layouts, torch.func's
+    wrappers), takes Module.__call__ and forward."""
+
+    _fastln_op: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        d = self.__dict__
+        if (len(args) == 1 and not kwargs and not torch.is_grad_enabled()
+                and d.get("_compiled_call_impl") is None
+                and not (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
+                         or d["_backward_pre_hooks"] or _global_hooks[0] or _global_hooks[1]
+                         or _global_hooks[2] or _global_hooks[3] or _tracing_state())):
+            shape, eps, input = d["normalized_shape"], d["eps"], args[0]
+            if eps is None and type(input) is torch.Tensor:  # RMSNorm's default, as in PyTorch
+                eps = torch.finfo(input.dtype).eps
+            # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
+            parameters = d["_parameters"]
+            arrays = (d.get("_fastln_views") or _module_views(self)).get(
+                parameters.get("weight"), parameters.get("bias"))
+            if len(shape) == 1 and eps is not None and arrays is not None:
+                result = _forward_tensor(self._fastln_op, input, shape[0], arrays[0], arrays[1],
+                                         eps, self.num_threads)
+                if result is not None:
+                    return result
+        return _module_call(self, *args, **kwargs)
+
+
+class LayerNorm(_InferenceShortcut, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by fastln: same constructor, parameters and state_dict.
 
     Parameters
@@ -561,21 +604,13 @@ class LayerNorm(torch.nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.num_threads = num_threads
 
+    _fastln_op = _LAYER_NORM
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Inference calls without hooks came through _InferenceShortcut.__call__; the others
+        # (and direct forward calls) take the general path, whose inference shortcut is the same.
         parameters, shape = self._parameters, self.normalized_shape
-        # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
         weight, bias = parameters.get("weight"), parameters.get("bias")
-        if not torch.is_grad_enabled() and len(shape) == 1:
-            # Inference over one axis in as few steps as possible (each costs against a 1-row
-            # call): the recogniser reads the tensor's memory in place, and refuses what it
-            # cannot read (other devices and layouts, torch.func's wrappers), which then takes
-            # the general path below.
-            arrays = (self.__dict__.get("_fastln_views") or _module_views(self)).get(weight, bias)
-            if arrays is not None:
-                result = _forward_tensor(_LAYER_NORM, input, shape[0], arrays[0], arrays[1],
-                                         self.eps, self.num_threads)
-                if result is not None:
-                    return result
         if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
             arrays = _module_views(self).get(weight, bias)
@@ -589,7 +624,7 @@ class LayerNorm(torch.nn.LayerNorm):
         return {k: v for k, v in self.__dict__.items() if k != "_fastln_views"}
 
 
-class RMSNorm(torch.nn.RMSNorm):
+class RMSNorm(_InferenceShortcut, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by fastln: same constructor, parameters and state_dict.
 
     Parameters
@@ -617,17 +652,12 @@ class RMSNorm(torch.nn.RMSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.num_threads = num_threads
 
+    _fastln_op = _RMS_NORM
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # As LayerNorm.forward.
         weight, shape = self._parameters.get("weight"), self.normalized_shape
         eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
-        if not torch.is_grad_enabled() and len(shape) == 1:
-            # Inference in as few steps as possible, as in LayerNorm.forward.
-            arrays = (self.__dict__.get("_fastln_views") or _module_views(self)).get(weight, None)
-            if arrays is not None:
-                result = _forward_tensor(_RMS_NORM, input, shape[0], arrays[0], None, eps,
-                                         self.num_threads)
-                if result is not None:
-                    return result
         if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
             arrays = _module_views(self).get(weight, None)
