@@ -90,19 +90,28 @@ FASTLN_INLINE void FASTLN_NAME(fold_floats)(const FASTLN_VF partial[FASTLN_FLOAT
 }
 
 /* A float near the row's mean: the mean of its first block (of all of it when shorter), summed
- * in double by a fixed tree. */
+ * in double by a fixed tree: element k + width added to element k, for width = 16, 8, 4, 2, 1.
+ * The widths down to a vector's lanes add whole double vectors, the rest lanes of the last one:
+ * converted and stored one element at a time, a float16 block stalled every row, its scalar
+ * stores read back as vectors (docs/performance.md, "The row's shift a vector at a time"). */
 FASTLN_INLINE float FASTLN_NAME(ln_float_shift)(const FASTLN_T *x, int64_t n_cols)
 {
-    double v[FASTLN_SLOTS];
+    enum { N_VECTORS = FASTLN_SLOTS / FASTLN_VD_LANES };
     if (n_cols < FASTLN_SLOTS) {
         double sum = 0.0;
         for (int64_t j = 0; j < n_cols; j++) sum += FASTLN_NAME(to_double)(x[j]);
         return (float)(sum / (double)n_cols);
     }
-    for (int k = 0; k < FASTLN_SLOTS; k++) v[k] = FASTLN_NAME(to_double)(x[k]);
-    for (int width = FASTLN_SLOTS / 2; width > 0; width /= 2)
+    FASTLN_VD v[N_VECTORS];
+    for (int k = 0; k < N_VECTORS; k += 2)
+        FASTLN_NAME(load_wide)(x + k * FASTLN_VD_LANES, &v[k], &v[k + 1]);
+    for (int width = N_VECTORS / 2; width > 0; width /= 2)
         for (int k = 0; k < width; k++) v[k] += v[k + width];
-    return (float)(v[0] / FASTLN_SLOTS);
+    double lanes[FASTLN_VD_LANES];
+    memcpy(lanes, &v[0], sizeof lanes);
+    for (int width = FASTLN_VD_LANES / 2; width > 0; width /= 2)
+        for (int k = 0; k < width; k++) lanes[k] += lanes[k + width];
+    return (float)(lanes[0] / FASTLN_SLOTS);
 }
 
 /* sum(d) and sum(d * d) over a row in float runs, d = x - shift in float (the padding of the
