@@ -94,8 +94,11 @@ _LAYER_NORM, _RMS_NORM = _kernels.LAYER_NORM, _kernels.RMS_NORM
 # What Module.__call__ looks at before it calls forward (see _InferenceShortcut).
 _module_call = torch.nn.Module.__call__
 _tracing_state = torch._C._get_tracing_state
-_global_hooks = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
-                 _torch_module._global_backward_hooks, _torch_module._global_backward_pre_hooks)
+_grad_enabled = torch.is_grad_enabled
+_global_forward_hooks = _torch_module._global_forward_hooks
+_global_forward_pre_hooks = _torch_module._global_forward_pre_hooks
+_global_backward_hooks = _torch_module._global_backward_hooks
+_global_backward_pre_hooks = _torch_module._global_backward_pre_hooks
 
 
 def _handles(tensor: torch.Tensor) -> bool:
@@ -556,11 +559,12 @@ class _InferenceShortcut:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
-        if (len(args) == 1 and not kwargs and not torch.is_grad_enabled()
+        if (len(args) == 1 and not kwargs and not _grad_enabled()
                 and d.get("_compiled_call_impl") is None
                 and not (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
-                         or d["_backward_pre_hooks"] or _global_hooks[0] or _global_hooks[1]
-                         or _global_hooks[2] or _global_hooks[3] or _tracing_state())):
+                         or d["_backward_pre_hooks"] or _global_forward_hooks
+                         or _global_forward_pre_hooks or _global_backward_hooks
+                         or _global_backward_pre_hooks or _tracing_state())):
             shape, eps, input = d["normalized_shape"], d["eps"], args[0]
             if eps is None and type(input) is torch.Tensor:  # RMSNorm's default, as in PyTorch
                 eps = torch.finfo(input.dtype).eps
