@@ -92,7 +92,6 @@ _forward_tensor = _kernels.row_norm_forward_tensor
 _LAYER_NORM, _RMS_NORM = _kernels.LAYER_NORM, _kernels.RMS_NORM
 
 # What Module.__call__ looks at before it calls forward (see _InferenceShortcut).
-_module_call = torch.nn.Module.__call__
 _tracing_state = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _global_forward_hooks = _torch_module._global_forward_hooks
@@ -577,7 +576,9 @@ class _InferenceShortcut:
                                          eps, self.num_threads)
                 if result is not None:
                     return result
-        return _module_call(self, *args, **kwargs)
+        # Looked up at call time, so that what patches Module.__call__ (torch.fx's tracer, for
+        # one) sees these calls too.
+        return super().__call__(*args, **kwargs)
 
 
 class LayerNorm(_InferenceShortcut, torch.nn.LayerNorm):
