@@ -280,11 +280,13 @@ def test_channels_last_images_whose_first_rows_are_not_typical(image, offset, sh
 
 @pytest.mark.parametrize("channel_axis, channels", [(1, 64), (-1, 64), (-1, 56)])
 def test_streamed_output_holds_the_same_bits_as_ordinary_stores(channel_axis, channels):
-    """Inputs of 4 MiB and more write y with non-temporal stores where it is 16-byte aligned;
+    """Inputs of 32 MiB and more write y with non-temporal stores where it is 16-byte aligned;
     the values are those of the ordinary stores (a y one element off that alignment). 56
     channels last end every row with fewer elements than a vector (streamed too)."""
     rng = np.random.default_rng(32)
-    shape = (2, channels, 96, 96) if channel_axis == 1 else (2, 96, 96, channels)
+    side = 256 if channels == 64 else 280  # 2 * channels * side**2 float32 values: >= 32 MiB
+    shape = (2, channels, side, side) if channel_axis == 1 else (2, side, side, channels)
+    assert np.prod(shape) * 4 >= 32 * 1024 * 1024
     x = (rng.standard_normal(shape) + 5.0).astype(np.float32)
     x.reshape(-1)[11] = np.nan
     x.reshape(-1)[channels * 7 + 50] = np.inf

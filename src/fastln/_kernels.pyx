@@ -239,14 +239,13 @@ def set_default_num_threads(int num_threads):
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). GroupNorm and BatchNorm's rows layout stream y (dx) from smaller inputs, of
-# GN_MIN_BYTES_FOR_STREAMING and BN_MIN_BYTES_FOR_STREAMING, where that measured faster
-# (docs/performance.md).
+# half types). GroupNorm streams from inputs of MIN_BYTES_FOR_STREAMING too; BatchNorm's rows
+# layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
+# faster (docs/performance.md).
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
-    GN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
 
 
@@ -630,7 +629,7 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     call.n_groups = n_groups
     call.n_spatial = n_spatial
     call.channels_last = channels_last
-    call.streaming = cnp.PyArray_NBYTES(x) >= GN_MIN_BYTES_FOR_STREAMING
+    call.streaming = cnp.PyArray_NBYTES(x) >= MIN_BYTES_FOR_STREAMING
     call.eps = eps
     fastln_gn_layout(call, backward)
     call.partials = <double*>calloc(max(fastln_gn_partials(call, backward), 1), sizeof(double))
