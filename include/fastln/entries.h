@@ -15,12 +15,27 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
     const FASTLN_T *x = call->x;
     FASTLN_T *y = call->y;
     FASTLN_P *mean = call->mean, *rstd = call->rstd;
+    /* Rows in cache: row r + 1's statistics are taken before row r is written. They end in a
+     * chain of dependent scalar operations (a division, a square root), which then overlaps
+     * row r's write pass instead of holding up the row's own. Row r + 1 is only read before row
+     * r is written, so y may be x. Rows from memory (streaming) keep one row at a time: their
+     * write pass prefetches the next row, which the statistics would otherwise have read. So do
+     * float64 rows, which measured slower ahead (docs/performance.md). */
+    const int ahead = FASTLN_COMPUTE_F32 && !call->streaming;
+    fastln_ln_stats next = {0};
+    if (ahead && begin < end) FASTLN_NAME(ln_statistics)(x + begin * n, n, call->eps, &next);
     for (int64_t r = begin; r < end; r++) {
-        double row_mean, row_rstd;
-        FASTLN_NAME(layer_norm_forward_row)(x + r * n, call->gamma, call->beta, y + r * n, n,
-                                            call->eps, &row_mean, &row_rstd, call->streaming);
-        if (mean) mean[r] = (FASTLN_P)row_mean;
-        if (rstd) rstd[r] = (FASTLN_P)row_rstd;
+        fastln_ln_stats stats;
+        if (ahead) {
+            stats = next;
+            if (r + 1 < end) FASTLN_NAME(ln_statistics)(x + (r + 1) * n, n, call->eps, &next);
+        } else {
+            FASTLN_NAME(ln_statistics)(x + r * n, n, call->eps, &stats);
+        }
+        FASTLN_NAME(layer_norm_write_row)(x + r * n, call->gamma, call->beta, y + r * n, n,
+                                          call->eps, &stats, call->streaming);
+        if (mean) mean[r] = (FASTLN_P)stats.mean;
+        if (rstd) rstd[r] = (FASTLN_P)stats.rstd;
     }
 }
 

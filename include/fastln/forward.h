@@ -155,15 +155,13 @@ FASTLN_INLINE void FASTLN_NAME(ln_write)(
  * row's statistics; an rstd beyond double's range (eps = 0 and a spread below ~1e-308) is
  * reported as Inf, its honest float64 value, and the backward then takes the statistics again
  * from x. */
-FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
+/* The second pass of layer_norm_forward_row: y from the row's statistics. */
+FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
     const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
-    double *mean_out, double *rstd_out, int streaming)
+    const fastln_ln_stats *row, int streaming)
 {
-    fastln_ln_stats stats;
-    FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
-    *mean_out = stats.mean;
-    *rstd_out = stats.rstd;
+    fastln_ln_stats stats = *row;
     if (stats.rare) {
         FASTLN_NAME(ln_write_rescaled)(x, gamma, beta, y, n_cols, &stats);
         return;
@@ -179,6 +177,18 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
     FASTLN_NAME(ln_write)(x + head, gamma ? gamma + head : NULL, beta ? beta + head : NULL,
                           y + head, n_cols - head, stats.shift, stats.mean_shifted, x_hat_scale,
                           streaming);
+}
+
+FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
+    const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
+    const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
+    double *mean_out, double *rstd_out, int streaming)
+{
+    fastln_ln_stats stats;
+    FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
+    *mean_out = stats.mean;
+    *rstd_out = stats.rstd;
+    FASTLN_NAME(layer_norm_write_row)(x, gamma, beta, y, n_cols, eps, &stats, streaming);
 }
 
 /* ---- RMSNorm ---------------------------------------------------------------------------- */
