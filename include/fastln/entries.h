@@ -20,7 +20,7 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
      * row r's write pass instead of holding up the row's own. Row r + 1 is only read before row
      * r is written, so y may be x. Rows from memory (streaming) keep one row at a time: their
      * write pass prefetches the next row, which the statistics would otherwise have read. So do
-     * float64 rows, which measured slower ahead (docs/performance.md). */
+     * float64 rows, which measured no faster ahead (docs/performance.md). */
     const int ahead = FASTLN_COMPUTE_F32 && !call->streaming;
     fastln_ln_stats next = {0};
     if (ahead && begin < end) FASTLN_NAME(ln_statistics)(x + begin * n, n, call->eps, &next);

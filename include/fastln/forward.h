@@ -148,13 +148,6 @@ FASTLN_INLINE void FASTLN_NAME(ln_write)(
 #endif
 }
 
-/* Forward of one row of n_cols elements: the statistics (ln_statistics) from one read of the
- * row, then y is written in a second pass while the row is still in cache, centring as
- * (x - shift) - mean(d) so that the large offset never meets the small deviations in one
- * rounding. gamma and beta may be NULL (ones and zeros). *mean_out and *rstd_out receive the
- * row's statistics; an rstd beyond double's range (eps = 0 and a spread below ~1e-308) is
- * reported as Inf, its honest float64 value, and the backward then takes the statistics again
- * from x. */
 /* The second pass of layer_norm_forward_row: y from the row's statistics. */
 FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
@@ -179,6 +172,13 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
                           streaming);
 }
 
+/* Forward of one row of n_cols elements: the statistics (ln_statistics) from one read of the
+ * row, then y is written in a second pass while the row is still in cache, centring as
+ * (x - shift) - mean(d) so that the large offset never meets the small deviations in one
+ * rounding. gamma and beta may be NULL (ones and zeros). *mean_out and *rstd_out receive the
+ * row's statistics; an rstd beyond double's range (eps = 0 and a spread below ~1e-308) is
+ * reported as Inf, its honest float64 value, and the backward then takes the statistics again
+ * from x. */
 FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
     const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
