@@ -152,24 +152,23 @@ FASTLN_INLINE void FASTLN_NAME(ln_write)(
 FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
     const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
-    const fastln_ln_stats *row, int streaming)
+    const fastln_ln_stats *stats, int streaming)
 {
-    fastln_ln_stats stats = *row;
-    if (stats.rare) {
-        FASTLN_NAME(ln_write_rescaled)(x, gamma, beta, y, n_cols, &stats);
+    if (stats->rare) {
+        FASTLN_NAME(ln_write_rescaled)(x, gamma, beta, y, n_cols, stats);
         return;
     }
     /* A constant row with eps = 0: every centred value is exactly 0 and x_hat is defined as 0
      * (y = beta), not 0 * inf = NaN. The cache still reports rstd = inf. */
-    const double x_hat_scale = stats.var + eps == 0.0 ? 0.0 : stats.rstd;
+    const double x_hat_scale = stats->var + eps == 0.0 ? 0.0 : stats->rstd;
     /* The elements up to y's next cache line first, then whole-line stores. */
     const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
     if (head > 0)
-        FASTLN_NAME(ln_write)(x, gamma, beta, y, head, stats.shift, stats.mean_shifted,
+        FASTLN_NAME(ln_write)(x, gamma, beta, y, head, stats->shift, stats->mean_shifted,
                               x_hat_scale, 0);
     FASTLN_NAME(ln_write)(x + head, gamma ? gamma + head : NULL, beta ? beta + head : NULL,
-                          y + head, n_cols - head, stats.shift, stats.mean_shifted, x_hat_scale,
-                          streaming);
+                          y + head, n_cols - head, stats->shift, stats->mean_shifted,
+                          x_hat_scale, streaming);
 }
 
 /* Forward of one row of n_cols elements: the statistics (ln_statistics) from one read of the

@@ -558,20 +558,21 @@ class _InferenceShortcut:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
-        if (len(args) == 1 and not kwargs and not _grad_enabled()
+        shape = d["normalized_shape"]
+        if (len(args) == 1 and not kwargs and len(shape) == 1 and not _grad_enabled()
                 and d.get("_compiled_call_impl") is None
                 and not (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"]
                          or d["_backward_pre_hooks"] or _global_forward_hooks
                          or _global_forward_pre_hooks or _global_backward_hooks
                          or _global_backward_pre_hooks or _tracing_state())):
-            shape, eps, input = d["normalized_shape"], d["eps"], args[0]
+            eps, input = d["eps"], args[0]
             if eps is None and type(input) is torch.Tensor:  # RMSNorm's default, as in PyTorch
                 eps = torch.finfo(input.dtype).eps
             # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
             parameters = d["_parameters"]
             arrays = (d.get("_fastln_views") or _module_views(self)).get(
                 parameters.get("weight"), parameters.get("bias"))
-            if len(shape) == 1 and eps is not None and arrays is not None:
+            if eps is not None and arrays is not None:
                 result = _forward_tensor(self._fastln_op, input, shape[0], arrays[0], arrays[1],
                                          eps, self.num_threads)
                 if result is not None:
