@@ -268,7 +268,8 @@ def _checked_contents(cache, op):
 
 def check_cache(cache, dy, op, name=None):
     """The cache must come from a forward of `op` with y of dy's shape and dtype; `name` is the
-    operation the errors name (op itself by default: instance_norm's cache is group_norm's).
+    operation the errors name (op itself by default: instance_norm's cache is group_norm's, and
+    must have one group per channel).
 
     Returns the checked copy of the cache (see _checked_contents): a backward reads its fields
     from that copy, never again from the caller's object.
@@ -288,4 +289,10 @@ def check_cache(cache, dy, op, name=None):
     if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != checked.dtype:
         raise ValueError(f"dy has dtype {dy.dtype.name}, expected {checked.dtype.name} "
                          "(the dtype of the forward's y)")
+    if name == "instance_norm":
+        n_channels = checked.shape[checked.channel_axis]
+        if checked.num_groups != n_channels:
+            raise ValueError(f"cache comes from group_norm_forward with num_groups="
+                             f"{checked.num_groups}; instance_norm_backward needs one group per "
+                             f"channel ({n_channels}): use group_norm_backward")
     return checked

@@ -78,10 +78,6 @@ def _backward(name, dy, cache, gamma, out, num_threads):
     dy = as_array(dy, "dy")
     cache = check_cache(cache, dy, "group_norm", name)  # the checked copy: fields read once
     n_channels = cache.shape[cache.channel_axis]
-    if name == "instance_norm" and cache.num_groups != n_channels:
-        raise ValueError(f"cache comes from group_norm_forward with num_groups="
-                         f"{cache.num_groups}; instance_norm_backward needs one group per "
-                         f"channel ({n_channels}): use group_norm_backward")
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
     gamma = check_channel_param(gamma, "gamma", n_channels, stats_dtype)

@@ -669,10 +669,6 @@ def _group_norm_backward(name, dy, cache, gamma, out, num_threads):
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
     C = cache.shape[cache.channel_axis]
-    if name == "instance_norm" and cache.num_groups != C:
-        raise ValueError(f"cache comes from group_norm_forward with num_groups="
-                         f"{cache.num_groups}; instance_norm_backward needs one group per "
-                         f"channel ({C}): use group_norm_backward")
     gamma = check_channel_param(gamma, "gamma", C, stats_dtype)
     check_num_threads(num_threads)
     if out is not None:
