@@ -230,6 +230,16 @@ def _dy_array(grad_output: torch.Tensor, input: torch.Tensor, cache: Any) -> Any
     return dy if dy.dtype == cache.dtype else dy.astype(cache.dtype)
 
 
+def _parameter_grad(ctx: Any, index: int, grad: np.ndarray,
+                    parameter: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The gradient a backward returns for the forward's argument `index`, a parameter (weight
+    or bias): None when there is no parameter or autograd does not need its gradient, else
+    `grad` as a tensor of the parameter's dtype."""
+    if parameter is None or not ctx.needs_input_grad[index]:
+        return None
+    return _to_torch(grad, parameter)
+
+
 class _NoSecondDerivative(torch.autograd.Function):
     """Stands between a fastln backward's gradients and the tensors they were computed from,
     when that backward runs with ``create_graph=True``: differentiating them again raises.
@@ -321,10 +331,8 @@ class _LayerNormFunction(torch.autograd.Function):
         grad_input = None
         if ctx.needs_input_grad[0]:
             grad_input = _result(dx, input)
-        grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
-                       else None)
-        grad_bias = (_to_torch(dbeta, bias) if bias is not None and ctx.needs_input_grad[2]
-                     else None)
+        grad_weight = _parameter_grad(ctx, 1, dgamma, weight)
+        grad_bias = _parameter_grad(ctx, 2, dbeta, bias)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
@@ -354,8 +362,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_input = None
         if ctx.needs_input_grad[0]:
             grad_input = _result(dx, input)
-        grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
-                       else None)
+        grad_weight = _parameter_grad(ctx, 1, dgamma, weight)
         return grad_input, grad_weight, None, None, None, None
 
 
@@ -404,10 +411,8 @@ class _GroupNormFunction(torch.autograd.Function):
             grad_input = _result(dx, input)
             if ctx.channels_last:
                 grad_input = grad_input.movedim(-1, 1)
-        grad_weight = (_to_torch(dgamma, weight) if weight is not None and ctx.needs_input_grad[1]
-                       else None)
-        grad_bias = (_to_torch(dbeta, bias) if bias is not None and ctx.needs_input_grad[2]
-                     else None)
+        grad_weight = _parameter_grad(ctx, 1, dgamma, weight)
+        grad_bias = _parameter_grad(ctx, 2, dbeta, bias)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
