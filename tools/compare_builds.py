@@ -98,6 +98,15 @@ def random_case(rng):
                 param_seed=int(rng.integers(1 << 30)), num_groups=num_groups)
 
 
+def parameters(case, rng, shape, dtype, count):
+    """gamma (around 1), then count - 1 standard normal arrays (beta, then bias), of shape and
+    dtype, drawn from rng in that order; all None for a case without parameters."""
+    if not case["params"]:
+        return (None,) * count
+    gamma = (1 + 0.1 * rng.standard_normal(shape)).astype(dtype)
+    return (gamma,) + tuple(rng.standard_normal(shape).astype(dtype) for _ in range(count - 1))
+
+
 def run(module, case):
     """Every array the case's calls return or update, in a fixed order."""
     rng = np.random.default_rng(case["layout_seed"])
@@ -113,10 +122,7 @@ def run(module, case):
     common = dict(num_threads=case["num_threads"])
     if op == "batch_norm":
         n_features = shape[axis]
-        gamma = beta = None
-        if case["params"]:
-            gamma = (1 + 0.1 * param_rng.standard_normal(n_features)).astype(param_dtype)
-            beta = param_rng.standard_normal(n_features).astype(param_dtype)
+        gamma, beta = parameters(case, param_rng, n_features, param_dtype, 2)
         running_mean = param_rng.standard_normal(n_features)
         running_var = param_rng.random(n_features) + 0.5
         y, cache = module.batch_norm_forward(x, gamma, beta, running_mean, running_var,
@@ -125,21 +131,13 @@ def run(module, case):
         dx, dgamma, dbeta = module.batch_norm_backward(dy, cache, gamma, **common)
         return [y, cache.mean, cache.rstd, running_mean, running_var, dx, dgamma, dbeta]
     if op == "group_norm":
-        n_channels = shape[axis]
-        gamma = beta = None
-        if case["params"]:
-            gamma = (1 + 0.1 * param_rng.standard_normal(n_channels)).astype(param_dtype)
-            beta = param_rng.standard_normal(n_channels).astype(param_dtype)
+        gamma, beta = parameters(case, param_rng, shape[axis], param_dtype, 2)
         y, cache = module.group_norm_forward(x, case["num_groups"], gamma, beta, eps=case["eps"],
                                              channel_axis=axis, **common)
         return [y, cache.mean, cache.rstd] + list(module.group_norm_backward(dy, cache, gamma,
                                                                              **common))
     normalized = shape[axis % len(shape):]
-    gamma = beta = bias = None
-    if case["params"]:
-        gamma = (1 + 0.1 * param_rng.standard_normal(normalized)).astype(param_dtype)
-        beta = param_rng.standard_normal(normalized).astype(param_dtype)
-        bias = param_rng.standard_normal(normalized).astype(param_dtype)
+    gamma, beta, bias = parameters(case, param_rng, normalized, param_dtype, 3)
     if op in ("layer_norm", "rms_norm"):
         forward = getattr(module, op + "_forward")
         args = (gamma, beta) if op == "layer_norm" else (gamma,)
