@@ -816,77 +816,70 @@ static void FASTLN_NAME(gn_backward_sums_task)(const void *opaque, int64_t begin
     }
 }
 
-/* The backward's constants, group by group (the rare groups done here, from x), then dgamma
- * and dbeta: each channel's terms added in sample order. One task. */
-static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t begin,
-                                                    int64_t end)
+/* One group's backward constants: channels first, its channels' piece sums first added in
+ * piece order into each channel's first piece. A rare group's dx is written here, from x (and
+ * call->rare[ng] set); channels last, the group's channels get their write constants. */
+FASTLN_INLINE void FASTLN_NAME(gn_backward_finish_group)(const fastln_gn_call *call, int64_t ng)
 {
-    const fastln_gn_call *call = opaque;
-    (void)begin;
-    (void)end;
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
     const FASTLN_P *mean = call->mean, *rstd = call->rstd, *gamma = call->gamma;
     const int64_t C = call->n_channels, G = call->n_groups, P = call->n_pieces;
     const int64_t per_group = C / G, n_channel_values = call->n_samples * C;
     double *dgamma_terms = call->channel_scratch, *dbeta_terms = dgamma_terms + n_channel_values;
-    /* The pieces' (blocks') sums added in order into the first piece's (block's). */
+    const int64_t n = ng / G, first = ng % G * per_group, nc = n * C + first;
+    const double *sum_dy, *sum_dy_d, *sum_d;
+    int64_t stride;
     if (!call->channels_last) {
-        for (int64_t nc = 0; nc < n_channel_values; nc++)
+        for (int64_t c = nc; c < nc + per_group; c++)
             for (int64_t p = 1; p < P; p++)
                 for (int k = 0; k < 3; k++)
-                    call->partials[3 * P * nc + k] += call->partials[3 * (P * nc + p) + k];
+                    call->partials[3 * P * c + k] += call->partials[3 * (P * c + p) + k];
+        sum_dy = call->partials + 3 * P * nc;
+        stride = 3 * P;
     } else {
-        for (int64_t n = 0; n < call->n_samples; n++) {
-            double *first = call->partials + 4 * C * P * n;
-            for (int64_t b = 1; b < P; b++)
-                for (int64_t j = C; j < 4 * C; j++) first[j] += first[4 * C * b + j];
+        sum_dy = call->partials + 4 * C * P * n + C + first;
+        stride = 1;
+    }
+    sum_dy_d = call->channels_last ? sum_dy + C : sum_dy + 1;
+    sum_d = call->channels_last ? sum_dy + 2 * C : sum_dy + 2;
+    double *fields = call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng;
+    const double group_rstd = (double)rstd[ng];
+    const int finite = FASTLN_NAME(gn_backward_group)(
+        sum_dy, sum_dy_d, sum_d, stride, gamma ? gamma + first : NULL, per_group,
+        (double)fastln_gn_group_size(call), (double)mean[ng], group_rstd, fields,
+        dgamma_terms + nc, dbeta_terms + nc);
+    call->rare[ng] = 0;
+    /* A group whose rstd is beyond the cache's range, or whose plain sums are not finite
+     * while its statistics are (products that overflow; or a NaN or Inf in dy or gamma,
+     * which must not take the dgamma and dbeta of the group's other channels with it). */
+    if (isinf(group_rstd) || (!finite && !isnan(group_rstd))) {
+        int64_t offset;
+        const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+        for (int64_t c = 0; c < per_group; c++) dgamma_terms[nc + c] = dbeta_terms[nc + c] = 0.0;
+        FASTLN_NAME(gn_backward_recomputed)(dy + offset, x + offset, dx + offset, &view, gamma,
+                                            call->eps, dgamma_terms + nc, dbeta_terms + nc);
+        call->rare[ng] = 1;
+    }
+    if (call->channels_last) {
+        double *constants = call->channel_scratch + 2 * n_channel_values + nc;
+        for (int64_t c = 0; c < per_group; c++) {
+            constants[c] = fields[0];
+            constants[n_channel_values + c] = fields[1];
+            constants[2 * n_channel_values + c] = fields[2];
+            constants[3 * n_channel_values + c] = gamma ? (double)gamma[first + c] : 1.0;
+            constants[4 * n_channel_values + c] = fields[3];
+            constants[5 * n_channel_values + c] = fields[4];
         }
     }
-    for (int64_t ng = 0; ng < call->n_samples * G; ng++) {
-        const int64_t n = ng / G, first = ng % G * per_group, nc = n * C + first;
-        const double *sum_dy, *sum_dy_d, *sum_d;
-        int64_t stride;
-        if (!call->channels_last) {
-            sum_dy = call->partials + 3 * P * nc;
-            stride = 3 * P;
-        } else {
-            sum_dy = call->partials + 4 * C * P * n + C + first;
-            stride = 1;
-        }
-        sum_dy_d = call->channels_last ? sum_dy + C : sum_dy + 1;
-        sum_d = call->channels_last ? sum_dy + 2 * C : sum_dy + 2;
-        double *fields = call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng;
-        const double group_rstd = (double)rstd[ng];
-        const int finite = FASTLN_NAME(gn_backward_group)(
-            sum_dy, sum_dy_d, sum_d, stride, gamma ? gamma + first : NULL, per_group,
-            (double)fastln_gn_group_size(call), (double)mean[ng], group_rstd, fields,
-            dgamma_terms + nc, dbeta_terms + nc);
-        call->rare[ng] = 0;
-        /* A group whose rstd is beyond the cache's range, or whose plain sums are not finite
-         * while its statistics are (products that overflow; or a NaN or Inf in dy or gamma,
-         * which must not take the dgamma and dbeta of the group's other channels with it). */
-        if (isinf(group_rstd) || (!finite && !isnan(group_rstd))) {
-            int64_t offset;
-            const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
-            for (int64_t c = 0; c < per_group; c++) dgamma_terms[nc + c] = dbeta_terms[nc + c] = 0.0;
-            FASTLN_NAME(gn_backward_recomputed)(dy + offset, x + offset, dx + offset, &view,
-                                                gamma, call->eps, dgamma_terms + nc,
-                                                dbeta_terms + nc);
-            call->rare[ng] = 1;
-        }
-        if (call->channels_last) {
-            double *constants = call->channel_scratch + 2 * n_channel_values + nc;
-            for (int64_t c = 0; c < per_group; c++) {
-                constants[c] = fields[0];
-                constants[n_channel_values + c] = fields[1];
-                constants[2 * n_channel_values + c] = fields[2];
-                constants[3 * n_channel_values + c] = gamma ? (double)gamma[first + c] : 1.0;
-                constants[4 * n_channel_values + c] = fields[3];
-                constants[5 * n_channel_values + c] = fields[4];
-            }
-        }
-    }
+}
+
+/* dgamma and dbeta: each channel's terms added in sample order. */
+FASTLN_INLINE void FASTLN_NAME(gn_backward_parameter_sums)(const fastln_gn_call *call)
+{
+    const int64_t C = call->n_channels, n_channel_values = call->n_samples * C;
+    const double *dgamma_terms = call->channel_scratch;
+    const double *dbeta_terms = dgamma_terms + n_channel_values;
     FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
     for (int64_t c = 0; c < C; c++) {
         double total_dgamma = 0.0, total_dbeta = 0.0;
@@ -897,6 +890,26 @@ static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t 
         dgamma[c] = (FASTLN_P)total_dgamma;
         dbeta[c] = (FASTLN_P)total_dbeta;
     }
+}
+
+/* The backward's constants, group by group (the rare groups done here, from x; channels last
+ * after the blocks' sums are added in block order), then dgamma and dbeta. One task. */
+static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t begin,
+                                                    int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    (void)begin;
+    (void)end;
+    const int64_t C = call->n_channels, P = call->n_pieces;
+    if (call->channels_last)
+        for (int64_t n = 0; n < call->n_samples; n++) {
+            double *first = call->partials + 4 * C * P * n;
+            for (int64_t b = 1; b < P; b++)
+                for (int64_t j = C; j < 4 * C; j++) first[j] += first[4 * C * b + j];
+        }
+    for (int64_t ng = 0; ng < call->n_samples * call->n_groups; ng++)
+        FASTLN_NAME(gn_backward_finish_group)(call, ng);
+    FASTLN_NAME(gn_backward_parameter_sums)(call);
 }
 
 /* Backward pieces or blocks: dx (the rare groups were written by the constants task). */
