@@ -912,6 +912,49 @@ static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t 
     FASTLN_NAME(gn_backward_parameter_sums)(call);
 }
 
+/* Channels first, a task per group: its channels' piece sums, its constants, then its dx while
+ * the group is still in cache, where the three phases above read it from memory twice. The
+ * same sums in the same order: the same bits. */
+static void FASTLN_NAME(gn_backward_groups_task)(const void *opaque, int64_t begin, int64_t end)
+{
+    const fastln_gn_call *call = opaque;
+    const FASTLN_T *dy = call->dy, *x = call->x;
+    FASTLN_T *dx = call->dx;
+    const FASTLN_P *mean = call->mean, *gamma = call->gamma;
+    const int64_t C = call->n_channels, S = call->n_spatial, G = call->n_groups;
+    const int64_t P = call->n_pieces, per_group = C / G;
+    for (int64_t ng = begin; ng < end; ng++) {
+        const int64_t first = ng / G * C + ng % G * per_group;
+        for (int64_t nc = first; nc < first + per_group; nc++)
+            for (int64_t p = 0; p < P; p++) {
+                const int64_t at = nc * S + p * call->piece;
+                FASTLN_NAME(run_backward_sums)(dy + at, x + at,
+                                               fastln_min(call->piece, S - p * call->piece),
+                                               (double)mean[ng], call->partials + 3 * (nc * P + p));
+            }
+        FASTLN_NAME(gn_backward_finish_group)(call, ng);
+        if (call->rare[ng]) continue;
+        /* Last piece first: what the sums read last is what the cache still holds. */
+        const double *fields = call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng;
+        for (int64_t nc = first + per_group - 1; nc >= first; nc--)
+            for (int64_t p = P - 1; p >= 0; p--) {
+                const int64_t at = nc * S + p * call->piece;
+                FASTLN_NAME(gn_backward_write)(dy + at, x + at, dx + at,
+                                               fastln_min(call->piece, S - p * call->piece),
+                                               fields, gamma ? (double)gamma[nc % C] : 1.0);
+            }
+    }
+}
+
+/* After the groups: dgamma and dbeta. One task. */
+static void FASTLN_NAME(gn_backward_parameters_task)(const void *opaque, int64_t begin,
+                                                     int64_t end)
+{
+    (void)begin;
+    (void)end;
+    FASTLN_NAME(gn_backward_parameter_sums)(opaque);
+}
+
 /* Backward pieces or blocks: dx (the rare groups were written by the constants task). */
 static void FASTLN_NAME(gn_backward_apply_task)(const void *opaque, int64_t begin, int64_t end)
 {
@@ -1005,6 +1048,8 @@ static const fastln_task FASTLN_NAME(tasks)[FASTLN_N_TASKS] = {
     [FASTLN_GN_FINISH_STATISTICS] = FASTLN_NAME(gn_finish_statistics_task),
     [FASTLN_GN_APPLY] = FASTLN_NAME(gn_apply_task),
     [FASTLN_GN_FINISH_RARE] = FASTLN_NAME(gn_finish_rare_task),
+    [FASTLN_GN_BACKWARD_GROUPS] = FASTLN_NAME(gn_backward_groups_task),
+    [FASTLN_GN_BACKWARD_PARAMETERS] = FASTLN_NAME(gn_backward_parameters_task),
     [FASTLN_GN_BACKWARD_SUMS] = FASTLN_NAME(gn_backward_sums_task),
     [FASTLN_GN_BACKWARD_CONSTANTS] = FASTLN_NAME(gn_backward_constants_task),
     [FASTLN_GN_BACKWARD_APPLY] = FASTLN_NAME(gn_backward_apply_task),

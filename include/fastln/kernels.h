@@ -64,7 +64,9 @@ enum {
     FASTLN_GN_FINISH_STATISTICS,        /*   groups */
     FASTLN_GN_APPLY,                    /*   pieces (channels last: blocks) */
     FASTLN_GN_FINISH_RARE,              /*   channels last, when a group is rare: one task */
-    FASTLN_GN_BACKWARD_SUMS,            /* backward: pieces (channels last: blocks) */
+    FASTLN_GN_BACKWARD_GROUPS,          /* backward, channels first: groups */
+    FASTLN_GN_BACKWARD_PARAMETERS,      /*   then one task */
+    FASTLN_GN_BACKWARD_SUMS,            /*   or, few groups: pieces (channels last: blocks) */
     FASTLN_GN_BACKWARD_CONSTANTS,       /*   one task */
     FASTLN_GN_BACKWARD_APPLY,           /*   pieces (channels last: blocks) */
     FASTLN_WIDEN,                       /* the half types' conversions alone: elements */

@@ -137,7 +137,8 @@ cdef extern from "fastln/kernels.h" nogil:
         FASTLN_BN_BACKWARD_FEATURES, FASTLN_BN_BACKWARD_WAITING
         FASTLN_BN_BACKWARD_FINISH_RESCALED, FASTLN_WIDEN, FASTLN_NARROW
         FASTLN_GN_FORWARD_GROUPS, FASTLN_GN_STATISTICS, FASTLN_GN_FINISH_STATISTICS
-        FASTLN_GN_APPLY, FASTLN_GN_FINISH_RARE, FASTLN_GN_BACKWARD_SUMS
+        FASTLN_GN_APPLY, FASTLN_GN_FINISH_RARE, FASTLN_GN_BACKWARD_GROUPS
+        FASTLN_GN_BACKWARD_PARAMETERS, FASTLN_GN_BACKWARD_SUMS
         FASTLN_GN_BACKWARD_CONSTANTS, FASTLN_GN_BACKWARD_APPLY
         FASTLN_MAX_BLOCKS
     float fastln_float16_to_float(uint16_t value)
@@ -241,12 +242,15 @@ def set_default_num_threads(int num_threads):
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
 # half types). GroupNorm streams from inputs of MIN_BYTES_FOR_STREAMING too; BatchNorm's rows
 # layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
-# faster (docs/performance.md).
+# faster (docs/performance.md). The GroupNorm backward takes a group at a time (its sums, then
+# its dx from cache) when the group's dy and x together are at most GN_MAX_GROUP_BYTES_IN_CACHE;
+# larger groups would be read from memory twice either way, and the piece phases stream better.
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
+    GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
 
 
 cdef inline fastln_task _task(int storage, int task) noexcept nogil:
@@ -702,13 +706,22 @@ def group_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
     call.dgamma = cnp.PyArray_DATA(dgamma)
     call.dbeta = cnp.PyArray_DATA(dbeta)
     cdef int64_t n_elements = n_samples * n_channels * n_spatial
+    cdef int64_t n_group_tasks = n_samples * n_groups
     cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(&call, 1)
+    cdef int64_t group_bytes = 2 * (n_channels // n_groups) * n_spatial * cnp.PyArray_ITEMSIZE(x)
     with nogil:
-        _run(_task(storage, FASTLN_GN_BACKWARD_SUMS), &call, n_piece_tasks, n_elements,
-             num_threads)
-        _run(_task(storage, FASTLN_GN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
-        _run(_task(storage, FASTLN_GN_BACKWARD_APPLY), &call, n_piece_tasks, n_elements,
-             num_threads)
+        # As the forward: a task per group while there are groups enough to share out.
+        if (not channels_last and group_bytes <= GN_MAX_GROUP_BYTES_IN_CACHE
+                and (call.n_pieces == 1 or n_group_tasks >= 4 * num_threads)):
+            _run(_task(storage, FASTLN_GN_BACKWARD_GROUPS), &call, n_group_tasks, n_elements,
+                 num_threads)
+            _run(_task(storage, FASTLN_GN_BACKWARD_PARAMETERS), &call, 1, 0, 1)
+        else:
+            _run(_task(storage, FASTLN_GN_BACKWARD_SUMS), &call, n_piece_tasks, n_elements,
+                 num_threads)
+            _run(_task(storage, FASTLN_GN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
+            _run(_task(storage, FASTLN_GN_BACKWARD_APPLY), &call, n_piece_tasks, n_elements,
+                 num_threads)
     _gn_free(&call)
 
 
