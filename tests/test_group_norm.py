@@ -118,6 +118,28 @@ def test_same_bits_for_every_thread_count(shape, num_groups, channel_axis):
         assert_bitwise_equal(results[0][1].rstd, other[1].rstd)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_backward_by_groups_and_by_pieces_agree(dtype):
+    """Channels first, the backward takes a task per group when there are at least 4 groups per
+    thread (else its sums, constants and dx go in phases over pieces): 4 groups of channels of
+    two pieces take one way on 1 thread and the other on 2, and give the same bits, also for a
+    group with a NaN in dy (its dx done from x again) and one far from zero."""
+    rng = np.random.default_rng(9)
+    shape = (1, 8, 200, 200)
+    x = _input(rng, shape, 1, dtype)
+    x[:, 4:6] += 1e4
+    gamma, beta = random_params(rng, 8, dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    dy[0, 2, 17, 3] = np.nan
+    _, cache = fastln.group_norm_forward(x, 4, gamma, beta)
+    by_groups = fastln.group_norm_backward(dy, cache, gamma, num_threads=1)
+    by_pieces = fastln.group_norm_backward(dy, cache, gamma, num_threads=2)
+    for a, b in zip(by_groups, by_pieces):
+        assert_bitwise_equal(a, b)
+    assert np.isnan(by_groups[0][0, 2:4]).all() and np.isfinite(by_groups[0][0, 4:]).all()
+    assert_close(by_groups[0][0, :2], reference.group_norm_backward(dy, cache, gamma)[0][0, :2])
+
+
 @pytest.mark.parametrize("channel_axis", [1, -1])
 def test_same_bits_for_every_batch(channel_axis):
     """A sample's y, statistics and dx do not depend on the other samples of the batch."""
