@@ -236,13 +236,20 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass)(
 #if FASTLN_COMPUTE_F32
     const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-    if (n_whole < n_cols) FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
+    /* NULL without a last block: the compiler then cannot load the unwritten block ahead of
+     * the loop, and such a load stalled every row (docs/performance.md, "A stack read behind
+     * streamed stores"). */
+    const FASTLN_P *last_block = NULL;
+    if (n_whole < n_cols) {
+        FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
+        last_block = padded;
+    }
     double dxhat_slots[FASTLN_SLOTS], dxhat_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
     if (gamma)
-        FASTLN_NAME(ln_backward_float_slots)(dy, x, gamma, padded, (float)mean, n_cols,
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, gamma, last_block, (float)mean, n_cols,
                                              dxhat_slots, dxhat_d_slots, d_slots);
     else
-        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, padded, (float)mean, n_cols,
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, last_block, (float)mean, n_cols,
                                              dxhat_slots, dxhat_d_slots, d_slots);
     FASTLN_NAME(ln_backward_sums_from_slots)(mean, rstd, n_cols, dxhat_slots, dxhat_d_slots,
                                              d_slots, sums);
@@ -814,14 +821,18 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const 
     if (x_scale > 1e-30 && x_scale < 1e30) {
         const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
         FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-        if (n_whole < n_cols) FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
+        const FASTLN_P *last_block = NULL; /* as in ln_backward_first_pass */
+        if (n_whole < n_cols) {
+            FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
+            last_block = padded;
+        }
         double slots[FASTLN_SLOTS];
         if (gamma)
-            FASTLN_NAME(rms_backward_float_slots)(dy, x, gamma, padded, (float)x_scale, n_cols,
-                                                  slots);
+            FASTLN_NAME(rms_backward_float_slots)(dy, x, gamma, last_block, (float)x_scale,
+                                                  n_cols, slots);
         else
-            FASTLN_NAME(rms_backward_float_slots)(dy, x, NULL, padded, (float)x_scale, n_cols,
-                                                  slots);
+            FASTLN_NAME(rms_backward_float_slots)(dy, x, NULL, last_block, (float)x_scale,
+                                                  n_cols, slots);
         const double total = fastln_reduce_slots(slots);
         if (FASTLN_NAME(floats_hold)(dy, n_cols, total)) return total / (double)n_cols;
     }
@@ -1103,11 +1114,14 @@ FASTLN_OUTLINED void FASTLN_NAME(run_backward_sums)(const FASTLN_T *dy, const FA
      * double pass below. */
     {
         FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and a gamma of 1 */
-        if (n_whole < n)
+        const FASTLN_P *last_block = NULL; /* as in ln_backward_first_pass */
+        if (n_whole < n) {
             FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
+            last_block = floats_padded;
+        }
         double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
-        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, floats_padded, (float)mean, n,
-                                             dy_slots, dy_d_slots, d_slots);
+        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, last_block, (float)mean, n, dy_slots,
+                                             dy_d_slots, d_slots);
         sums[0] = fastln_reduce_slots(dy_slots);
         sums[1] = fastln_reduce_slots(dy_d_slots);
         sums[2] = fastln_reduce_slots(d_slots);
