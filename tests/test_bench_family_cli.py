@@ -22,10 +22,10 @@ from fastln.bench.peers import torch as torch_peer
 from test_bench_cli import TINY, run_main
 
 FAMILY_OPS = ("rms_forward", "rms_backward", "add_layer_norm", "add_rms_norm",
-              "batch_norm_train", "batch_norm_backward")
+              "batch_norm_train", "batch_norm_eval", "batch_norm_backward")
 # Bytes each operation must move, in units of x's size (see fastln.bench.ops).
 BYTES_FACTOR = {"rms_forward": 2, "rms_backward": 3, "add_layer_norm": 4, "add_rms_norm": 4,
-                "batch_norm_train": 3, "batch_norm_backward": 5}
+                "batch_norm_train": 3, "batch_norm_eval": 2, "batch_norm_backward": 5}
 # Every implementation, by operation; the peers that are not installed are left out below.
 IMPLEMENTATIONS = {
     "rms_forward": ["fastln", "numpy-naive", "numpy-inplace", "torch", "onnxruntime"],
@@ -33,6 +33,7 @@ IMPLEMENTATIONS = {
     "add_layer_norm": ["fastln", "numpy-naive", "numpy-inplace", "torch", "onnxruntime"],
     "add_rms_norm": ["fastln", "numpy-naive", "numpy-inplace", "torch", "onnxruntime"],
     "batch_norm_train": ["fastln", "numpy-naive", "numpy-inplace", "torch", "onnxruntime"],
+    "batch_norm_eval": ["fastln", "numpy-naive", "numpy-inplace", "torch", "onnxruntime"],
     "batch_norm_backward": ["fastln", "numpy-naive", "numpy-inplace", "torch"],
 }
 INSTALLED = ("numpy",) + tuple(peer for peer in ("torch", "onnxruntime")

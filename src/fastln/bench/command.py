@@ -236,6 +236,7 @@ def add_arguments(parser):
                              "rms_backward (RMSNorm); add_layer_norm, add_rms_norm (residual "
                              "add + norm, forward; returns y and the sum); batch_norm_train "
                              "(forward in training mode, running statistics updated), "
+                             "batch_norm_eval (forward from the running statistics), "
                              "batch_norm_backward (training mode); group_norm, group_norm_last "
                              "(channels last), group_norm_backward, instance_norm. Batch norm "
                              "reads a shape as (N, C) or (N, C, H, W, ...): features on axis 1, "

@@ -15,7 +15,7 @@ one row each); the fused add + norm reads x and residual and writes y and s (4 n
 implementation moves more, and the column shows what fusing saves). A feature's batch
 statistics need all of its values before its first output, so once x is larger than the cache
 batch_norm_train reads x twice and writes y (3 n), batch_norm_backward reads dy and x twice and
-writes dx (5 n); for arrays that fit in the cache those second reads come from it. Batch norm
+writes dx (5 n); batch_norm_eval, with the running statistics, reads x once and writes y (2 n); for arrays that fit in the cache those second reads come from it. Batch norm
 reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch. Group norm and
 instance norm read it as (N, C, H, W, ...) - group_norm_last too, the same tensor laid out
 channels last, (N, H, W, ..., C) in memory - in gcd(32, C) groups (the diffusion models' 32),
@@ -120,6 +120,12 @@ def _prepare_batch_norm_train(inputs, num_threads, out_buffer):
                     result_arrays=running.result_arrays)
 
 
+def _batch_norm_eval(inputs, num_threads, out):
+    return partial(fastln.batch_norm, inputs.x, inputs.gamma, inputs.beta, inputs.running_mean,
+                   inputs.running_var, training=False, eps=EPS, axis=FEATURE_AXIS, out=out,
+                   num_threads=num_threads)
+
+
 def _batch_norm_backward(inputs, num_threads, out):
     _, cache = fastln.batch_norm_forward(inputs.x, inputs.gamma, inputs.beta, training=True,
                                          momentum=MOMENTUM, eps=EPS, axis=FEATURE_AXIS,
@@ -192,6 +198,10 @@ TABLE = (
               partial(make_inputs, beta=True, running=True),
               streams=3, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
               fastln=_prepare_batch_norm_train, fastln_call="fastln.batch_norm(training=True)"),
+    Operation("batch_norm_eval", "batch_norm forward, evaluation mode (running statistics)",
+              partial(make_inputs, beta=True, running=True),
+              streams=2, memory_factor=_FORWARD_MEMORY, dtypes=FULL_DTYPES,
+              fastln=_fastln(_batch_norm_eval), fastln_call="fastln.batch_norm(training=False)"),
     Operation("batch_norm_backward", "batch_norm backward, training mode",
               partial(make_inputs, beta=True, running=True, dy=True),
               streams=5, memory_factor=_BACKWARD_MEMORY, dtypes=FULL_DTYPES,

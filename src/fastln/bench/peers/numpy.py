@@ -300,6 +300,12 @@ def naive_batch_norm_train(x, gamma, beta, running_mean, running_var):
     return y
 
 
+def naive_batch_norm_eval(x, gamma, beta, running_mean, running_var):
+    ndim = x.ndim
+    return ((x - per_feature(running_mean, ndim)) / np.sqrt(per_feature(running_var, ndim) + EPS)
+            * per_feature(gamma, ndim) + per_feature(beta, ndim))
+
+
 def naive_batch_norm_backward(dy, x, mean, rstd, gamma):
     axes = batch_axes(x.ndim)
     x_hat = (x - mean) * rstd
@@ -334,6 +340,12 @@ def _naive_batch_norm_train(inputs, num_threads, out_buffer):
                                       running.var)
 
     return Prepared(call, output_mode(out_buffer, False), result_arrays=running.result_arrays)
+
+
+def _naive_batch_norm_eval(inputs, num_threads, out_buffer):
+    return Prepared(lambda: naive_batch_norm_eval(inputs.x, inputs.gamma, inputs.beta,
+                                                  inputs.running_mean, inputs.running_var),
+                    output_mode(out_buffer, False))
 
 
 def _naive_batch_norm_backward(inputs, num_threads, out_buffer):
@@ -373,6 +385,26 @@ def _inplace_batch_norm_train(inputs, num_threads, out_buffer):
         return y
 
     return Prepared(call, output_mode(out_buffer, True), result_arrays=running.result_arrays)
+
+
+def _inplace_batch_norm_eval(inputs, num_threads, out_buffer):
+    x, ndim = inputs.x, inputs.x.ndim
+    # Per-feature scale = gamma / sqrt(running_var + eps), kept across calls like a model's.
+    scale = np.empty(inputs.n_features, x.dtype)
+    mean_f, scale_f, beta_f = (per_feature(v, ndim) for v in (inputs.running_mean, scale,
+                                                               inputs.beta))
+    output = _buffer_or_new(x, out_buffer)
+
+    def call():
+        y = np.subtract(x, mean_f, out=output())
+        np.add(inputs.running_var, EPS, out=scale)
+        np.sqrt(scale, out=scale)
+        np.divide(inputs.gamma, scale, out=scale)
+        y *= scale_f
+        y += beta_f
+        return y
+
+    return Prepared(call, output_mode(out_buffer, True))
 
 
 def _inplace_batch_norm_backward(inputs, num_threads, out_buffer):
@@ -428,6 +460,10 @@ IMPLEMENTATIONS = {
                        "x.mean / x.var over the batch axes and broadcasting",
                        uses_threads=False),
         _inplace(_inplace_batch_norm_train, "NumPy in place into preallocated buffers")),
+    "batch_norm_eval": (
+        Implementation("numpy-naive", "numpy", _naive_batch_norm_eval,
+                       "broadcasting over the running statistics", uses_threads=False),
+        _inplace(_inplace_batch_norm_eval, "NumPy in place into a preallocated buffer")),
     "batch_norm_backward": (
         Implementation("numpy-naive", "numpy", _naive_batch_norm_backward,
                        "broadcasting, one temporary per term", uses_threads=False),

@@ -11,6 +11,7 @@ has no gradient ops that ONNX Runtime runs outside its training builds: no backw
                      running statistics as outputs (copied back into its running arrays after
                      each call, a few hundred values); its momentum is an ONNX float32
                      attribute, float32(0.9), which the check allows for
+    batch_norm_eval  BatchNormalization (opset 15, training_mode=0), from the running statistics
 
 Every session runs alike: intra_op_num_threads as for the other libraries, one inter-op thread,
 sequential execution, idle workers that do not spin (SESSION_CONFIG). float32, float64 and float16
@@ -217,19 +218,30 @@ def _add_norm(kind):
     return prepare
 
 
-def _batch_norm_model(dtype, ndim):
-    """BatchNormalization (opset 15) in training mode over (N, C, ...): y and the updated
-    running statistics."""
+def _batch_norm_model(dtype, ndim, training=True):
+    """BatchNormalization (opset 15) over (N, C, ...): in training mode y and the updated running
+    statistics; in evaluation mode y from the running statistics."""
     from onnx import helper
 
     dims, vector = ["n", "c"] + [f"d{axis}" for axis in range(2, ndim)], ["c"]
     statistics = ("scale", "bias", "input_mean", "input_var")
+    outputs = [("y", dtype, dims)]
+    if training:
+        outputs += [("running_mean", dtype, vector), ("running_var", dtype, vector)]
     node = helper.make_node("BatchNormalization", ["x", *statistics],
-                            ["y", "running_mean", "running_var"],
-                            epsilon=EPS, momentum=MOMENTUM, training_mode=1)
+                            [name for name, _, _ in outputs],
+                            epsilon=EPS, momentum=MOMENTUM, training_mode=int(training))
     return _model([node], [("x", dtype, dims)] + [(name, dtype, vector) for name in statistics],
-                  [("y", dtype, dims), ("running_mean", dtype, vector),
-                   ("running_var", dtype, vector)], [("", 15)])
+                  outputs, [("", 15)])
+
+
+def _batch_norm_eval(inputs, num_threads, out_buffer):
+    x = inputs.x
+    the_session = session(("batch_norm_eval", x.dtype, x.ndim),
+                          lambda: _batch_norm_model(x.dtype, x.ndim, training=False), num_threads)
+    feeds = {"x": x, "scale": inputs.gamma, "bias": inputs.beta,
+             "input_mean": inputs.running_mean, "input_var": inputs.running_var}
+    return _run(the_session, feeds, {"y": x}, num_threads, out_buffer)
 
 
 def _batch_norm_train(inputs, num_threads, out_buffer):
@@ -297,6 +309,8 @@ IMPLEMENTATIONS = {
         _add_norm("rms_norm"), "SkipSimplifiedLayerNormalization (com.microsoft) for "
                                f"float32/float16; Add + RMSNormalization (opset {ONNX_RMS_OPSET}) "
                                "for float64"),
+    "batch_norm_eval": _onnxruntime(_batch_norm_eval,
+                                    "BatchNormalization (opset 15, training_mode=0)"),
     "batch_norm_train": _onnxruntime(_batch_norm_train,
                                      "BatchNormalization, opset 15, training_mode=1",
                                      FULL_DTYPES),

@@ -14,6 +14,7 @@ where PyTorch has a gradient kernel of its own.
     add_rms_norm             add + norm on the CPU)
     batch_norm_train         F.batch_norm(training=True), its running statistics updated in place
                              (its momentum weighs the new value: it gets 1 - fastln's)
+    batch_norm_eval          F.batch_norm(training=False), the running statistics
     batch_norm_backward      torch.ops.aten.native_batch_norm_backward (no autograd)
     group_norm, instance_norm  F.group_norm / F.instance_norm; group_norm_last gives F.group_norm
                              the channels-last array as an (N, C, H, W) tensor in
@@ -177,6 +178,19 @@ def _batch_norm_train(inputs, num_threads, out_buffer):
     return _prepared(torch, call, num_threads, out_buffer, result_arrays=running.result_arrays)
 
 
+def _batch_norm_eval(inputs, num_threads, out_buffer):
+    torch = _torch(num_threads)
+    x, gamma, beta, running_mean, running_var = (
+        tensor(torch, array) for array in (inputs.x, inputs.gamma, inputs.beta,
+                                           inputs.running_mean, inputs.running_var))
+    batch_norm = torch.nn.functional.batch_norm
+
+    def call():
+        return batch_norm(x, running_mean, running_var, gamma, beta, False, 0.1, EPS)
+
+    return _prepared(torch, call, num_threads, out_buffer)
+
+
 def _batch_norm_backward(inputs, num_threads, out_buffer):
     torch = _torch(num_threads)
     x, gamma, beta, dy = (tensor(torch, array)
@@ -253,6 +267,8 @@ IMPLEMENTATIONS = {
                                           "torch.add, then torch.nn.functional.rms_norm"),
     "batch_norm_train": _torch_implementation(
         _batch_norm_train, "torch.nn.functional.batch_norm(training=True)", FULL_DTYPES),
+    "batch_norm_eval": _torch_implementation(
+        _batch_norm_eval, "torch.nn.functional.batch_norm(training=False)", FULL_DTYPES),
     "batch_norm_backward": _torch_implementation(
         _batch_norm_backward, "aten.native_batch_norm_backward (no autograd)", FULL_DTYPES),
     "group_norm": _torch_implementation(_group_norm(False), "torch.nn.functional.group_norm",
