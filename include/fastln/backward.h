@@ -486,8 +486,9 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_vector)(
     FASTLN_NAME(store_c_to)(dx + i, dx_v, stream_dx);
 }
 
-/* The float write pass over n elements of one row (streaming as the double pass). */
-FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
+/* The float write pass over n elements of one row (streaming as the double pass); inlined
+ * with and without gamma (below). */
+FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_row)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n,
     const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc, int streaming)
 {
@@ -511,6 +512,20 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
     for (; i < n; i++)
         dx[i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
             dy[i], x[i], gamma ? gamma + i : NULL, &row, dgamma_acc + i, dbeta_acc + i));
+}
+
+/* With gamma a known NULL or not in each copy, the vector of gamma needs no test per vector;
+ * with it unknown, GCC kept that vector on the stack, a store and a load per vector. */
+FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n,
+    const fastln_ln_backward_sums *sums, float *dgamma_acc, float *dbeta_acc, int streaming)
+{
+    if (gamma)
+        FASTLN_NAME(ln_backward_write_float_row)(dy, x, gamma, dx, n, sums, dgamma_acc,
+                                                 dbeta_acc, streaming);
+    else
+        FASTLN_NAME(ln_backward_write_float_row)(dy, x, NULL, dx, n, sums, dgamma_acc,
+                                                 dbeta_acc, streaming);
 }
 
 /* The float write pass of n_rows consecutive rows together (see the double one), from their
