@@ -66,18 +66,23 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_add_block)(
 }
 
 /* The last block's dy, x and gamma, padded with dy = 0, x = mean, gamma = 1: they add exactly
- * zero to all three sums. */
-FASTLN_INLINE void FASTLN_NAME(ln_backward_pad)(const FASTLN_T *dy, const FASTLN_T *x,
-                                                const FASTLN_P *gamma, double mean,
-                                                int64_t n_whole, int64_t n_cols,
-                                                FASTLN_P padded[3 * FASTLN_SLOTS])
+ * zero to all three sums. Returns padded, or NULL (padded untouched) when the row has no
+ * partial block: passed on as NULL, the compiler cannot load the unwritten array ahead of the
+ * loop - such a load stalled every row (docs/performance.md, "A stack read behind streamed
+ * stores"). */
+FASTLN_INLINE const FASTLN_P *FASTLN_NAME(ln_backward_pad)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                          const FASTLN_P *gamma, double mean,
+                                                          int64_t n_whole, int64_t n_cols,
+                                                          FASTLN_P padded[3 * FASTLN_SLOTS])
 {
+    if (n_whole == n_cols) return NULL;
     for (int k = 0; k < FASTLN_SLOTS; k++) {
         const int inside = n_whole + k < n_cols;
         padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
         padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : (FASTLN_C)mean;
         padded[2 * FASTLN_SLOTS + k] = inside && gamma ? gamma[n_whole + k] : 1;
     }
+    return padded;
 }
 
 /* A row's sums from its slots (the fixed tree of fastln/simd.h). */
@@ -107,7 +112,7 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass_double)(
 {
     const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-    if (n_whole < n_cols) FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
+    FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
     double dxhat_slots[FASTLN_SLOTS], dxhat_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
         FASTLN_VD sum_dxhat[FASTLN_PASS_VECTORS] = {0}, sum_dxhat_d[FASTLN_PASS_VECTORS] = {0};
@@ -236,14 +241,8 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_first_pass)(
 #if FASTLN_COMPUTE_F32
     const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-    /* NULL without a last block: the compiler then cannot load the unwritten block ahead of
-     * the loop, and such a load stalled every row (docs/performance.md, "A stack read behind
-     * streamed stores"). */
-    const FASTLN_P *last_block = NULL;
-    if (n_whole < n_cols) {
+    const FASTLN_P *last_block =
         FASTLN_NAME(ln_backward_pad)(dy, x, gamma, mean, n_whole, n_cols, padded);
-        last_block = padded;
-    }
     double dxhat_slots[FASTLN_SLOTS], dxhat_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
     if (gamma)
         FASTLN_NAME(ln_backward_float_slots)(dy, x, gamma, last_block, (float)mean, n_cols,
@@ -718,17 +717,21 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
  *     dx = rstd * (dx_hat - x_hat * mean(dx_hat * x_hat)),   dgamma += dy * x_hat
  * (LayerNorm's identity without the mean terms). dgamma accumulates in double for every type. */
 
-/* The last block's dy, x and gamma (1 without gamma), padded with zeros: they add exactly zero. */
-FASTLN_INLINE void FASTLN_NAME(rms_backward_pad)(const FASTLN_T *dy, const FASTLN_T *x,
-                                                 const FASTLN_P *gamma, int64_t n_whole,
-                                                 int64_t n_cols, FASTLN_P padded[3 * FASTLN_SLOTS])
+/* The last block's dy, x and gamma (1 without gamma), padded with zeros: they add exactly zero.
+ * Returns padded, or NULL without a partial block (as ln_backward_pad). */
+FASTLN_INLINE const FASTLN_P *FASTLN_NAME(rms_backward_pad)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                           const FASTLN_P *gamma, int64_t n_whole,
+                                                           int64_t n_cols,
+                                                           FASTLN_P padded[3 * FASTLN_SLOTS])
 {
+    if (n_whole == n_cols) return NULL;
     for (int k = 0; k < FASTLN_SLOTS; k++) {
         const int inside = n_whole + k < n_cols;
         padded[k] = inside ? FASTLN_NAME(to_compute)(dy[n_whole + k]) : 0;
         padded[FASTLN_SLOTS + k] = inside ? FASTLN_NAME(to_compute)(x[n_whole + k]) : 0;
         padded[2 * FASTLN_SLOTS + k] = inside ? (gamma ? gamma[n_whole + k] : 1) : 0;
     }
+    return padded;
 }
 
 /* sum(dx_hat * x_hat) for one block's elements of this pass's slots, x_hat = x * x_scale in
@@ -777,7 +780,7 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean_double)(const FASTLN_T *dy,
 {
     const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
     FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-    if (n_whole < n_cols) FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
+    FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
     double slots[FASTLN_SLOTS];
     for (int first = 0; first < FASTLN_SLOTS; first += FASTLN_PASS_SLOTS) {
         FASTLN_VD sum[FASTLN_PASS_VECTORS] = {0};
@@ -836,11 +839,8 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const 
     if (x_scale > 1e-30 && x_scale < 1e30) {
         const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
         FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
-        const FASTLN_P *last_block = NULL; /* as in ln_backward_first_pass */
-        if (n_whole < n_cols) {
+        const FASTLN_P *last_block =
             FASTLN_NAME(rms_backward_pad)(dy, x, gamma, n_whole, n_cols, padded);
-            last_block = padded;
-        }
         double slots[FASTLN_SLOTS];
         if (gamma)
             FASTLN_NAME(rms_backward_float_slots)(dy, x, gamma, last_block, (float)x_scale,
@@ -1129,11 +1129,8 @@ FASTLN_OUTLINED void FASTLN_NAME(run_backward_sums)(const FASTLN_T *dy, const FA
      * double pass below. */
     {
         FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and a gamma of 1 */
-        const FASTLN_P *last_block = NULL; /* as in ln_backward_first_pass */
-        if (n_whole < n) {
+        const FASTLN_P *last_block =
             FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
-            last_block = floats_padded;
-        }
         double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
         FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, last_block, (float)mean, n, dy_slots,
                                              dy_d_slots, d_slots);

@@ -787,22 +787,44 @@ static void FASTLN_NAME(gn_finish_rare_task)(const void *opaque, int64_t begin, 
     }
 }
 
+/* Channels first, piece p of the values of (sample, channel) nc in group ng: its three sums
+ * (into its partials, task nc * n_pieces + p), and its dx from the group's constants. The
+ * piece phases and the group tasks take a piece alike. */
+FASTLN_INLINE void FASTLN_NAME(gn_backward_piece_sums)(const fastln_gn_call *call, int64_t nc,
+                                                       int64_t p, int64_t ng)
+{
+    const int64_t at = nc * call->n_spatial + p * call->piece;
+    FASTLN_NAME(run_backward_sums)((const FASTLN_T *)call->dy + at, (const FASTLN_T *)call->x + at,
+                                   fastln_min(call->piece, call->n_spatial - p * call->piece),
+                                   (double)((const FASTLN_P *)call->mean)[ng],
+                                   call->partials + 3 * (nc * call->n_pieces + p));
+}
+
+FASTLN_INLINE void FASTLN_NAME(gn_backward_piece_write)(const fastln_gn_call *call, int64_t nc,
+                                                        int64_t p, int64_t ng)
+{
+    const int64_t at = nc * call->n_spatial + p * call->piece;
+    const FASTLN_P *gamma = call->gamma;
+    FASTLN_NAME(gn_backward_write)((const FASTLN_T *)call->dy + at, (const FASTLN_T *)call->x + at,
+                                   (FASTLN_T *)call->dx + at,
+                                   fastln_min(call->piece, call->n_spatial - p * call->piece),
+                                   call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng,
+                                   gamma ? (double)gamma[nc % call->n_channels] : 1.0);
+}
+
 /* Backward pieces (channels first: of a channel's values) or blocks: their three sums. */
 static void FASTLN_NAME(gn_backward_sums_task)(const void *opaque, int64_t begin, int64_t end)
 {
     const fastln_gn_call *call = opaque;
     const FASTLN_T *dy = call->dy, *x = call->x;
     const FASTLN_P *mean = call->mean;
-    const int64_t C = call->n_channels, S = call->n_spatial;
+    const int64_t C = call->n_channels;
     const int64_t per_group = C / call->n_groups;
     for (int64_t task = begin; task < end; task++) {
         if (!call->channels_last) {
-            const int64_t nc = task / call->n_pieces, p = task % call->n_pieces;
-            const int64_t ng = nc / C * call->n_groups + nc % C / per_group;
-            const int64_t at = nc * S + p * call->piece;
-            FASTLN_NAME(run_backward_sums)(dy + at, x + at,
-                                           fastln_min(call->piece, S - p * call->piece),
-                                           (double)mean[ng], call->partials + 3 * task);
+            const int64_t nc = task / call->n_pieces;
+            FASTLN_NAME(gn_backward_piece_sums)(call, nc, task % call->n_pieces,
+                                                nc / C * call->n_groups + nc % C / per_group);
             continue;
         }
         double *channel_mean = call->partials + 4 * C * task;
@@ -918,31 +940,17 @@ static void FASTLN_NAME(gn_backward_constants_task)(const void *opaque, int64_t 
 static void FASTLN_NAME(gn_backward_groups_task)(const void *opaque, int64_t begin, int64_t end)
 {
     const fastln_gn_call *call = opaque;
-    const FASTLN_T *dy = call->dy, *x = call->x;
-    FASTLN_T *dx = call->dx;
-    const FASTLN_P *mean = call->mean, *gamma = call->gamma;
-    const int64_t C = call->n_channels, S = call->n_spatial, G = call->n_groups;
-    const int64_t P = call->n_pieces, per_group = C / G;
+    const int64_t C = call->n_channels, G = call->n_groups, P = call->n_pieces;
+    const int64_t per_group = C / G;
     for (int64_t ng = begin; ng < end; ng++) {
         const int64_t first = ng / G * C + ng % G * per_group;
         for (int64_t nc = first; nc < first + per_group; nc++)
-            for (int64_t p = 0; p < P; p++) {
-                const int64_t at = nc * S + p * call->piece;
-                FASTLN_NAME(run_backward_sums)(dy + at, x + at,
-                                               fastln_min(call->piece, S - p * call->piece),
-                                               (double)mean[ng], call->partials + 3 * (nc * P + p));
-            }
+            for (int64_t p = 0; p < P; p++) FASTLN_NAME(gn_backward_piece_sums)(call, nc, p, ng);
         FASTLN_NAME(gn_backward_finish_group)(call, ng);
         if (call->rare[ng]) continue;
         /* Last piece first: what the sums read last is what the cache still holds. */
-        const double *fields = call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng;
         for (int64_t nc = first + per_group - 1; nc >= first; nc--)
-            for (int64_t p = P - 1; p >= 0; p--) {
-                const int64_t at = nc * S + p * call->piece;
-                FASTLN_NAME(gn_backward_write)(dy + at, x + at, dx + at,
-                                               fastln_min(call->piece, S - p * call->piece),
-                                               fields, gamma ? (double)gamma[nc % C] : 1.0);
-            }
+            for (int64_t p = P - 1; p >= 0; p--) FASTLN_NAME(gn_backward_piece_write)(call, nc, p, ng);
     }
 }
 
@@ -961,19 +969,13 @@ static void FASTLN_NAME(gn_backward_apply_task)(const void *opaque, int64_t begi
     const fastln_gn_call *call = opaque;
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
-    const FASTLN_P *gamma = call->gamma;
-    const int64_t C = call->n_channels, S = call->n_spatial, G = call->n_groups;
+    const int64_t C = call->n_channels, G = call->n_groups;
     const int64_t per_group = C / G, n_channel_values = call->n_samples * C;
     for (int64_t task = begin; task < end; task++) {
         if (!call->channels_last) {
-            const int64_t nc = task / call->n_pieces, p = task % call->n_pieces;
-            const int64_t c = nc % C, ng = nc / C * G + c / per_group;
-            if (call->rare[ng]) continue;
-            const int64_t at = nc * S + p * call->piece;
-            FASTLN_NAME(gn_backward_write)(dy + at, x + at, dx + at,
-                                           fastln_min(call->piece, S - p * call->piece),
-                                           call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng,
-                                           gamma ? (double)gamma[c] : 1.0);
+            const int64_t nc = task / call->n_pieces, ng = nc / C * G + nc % C / per_group;
+            if (!call->rare[ng])
+                FASTLN_NAME(gn_backward_piece_write)(call, nc, task % call->n_pieces, ng);
             continue;
         }
         const int64_t n = task / call->n_pieces;

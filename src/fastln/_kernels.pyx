@@ -151,6 +151,7 @@ cdef extern from "fastln/kernels.h" nogil:
     int64_t fastln_row_blocks(int64_t n_rows)
     void fastln_bn_layout(fastln_bn_call *call, int64_t max_blocks)
     void fastln_gn_layout(fastln_gn_call *call, int backward)
+    int64_t fastln_gn_group_size(const fastln_gn_call *call)
     int64_t fastln_gn_piece_tasks(const fastln_gn_call *call, int backward)
     int64_t fastln_gn_partials(const fastln_gn_call *call, int backward)
     int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
@@ -708,7 +709,7 @@ def group_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
     cdef int64_t n_elements = n_samples * n_channels * n_spatial
     cdef int64_t n_group_tasks = n_samples * n_groups
     cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(&call, 1)
-    cdef int64_t group_bytes = 2 * (n_channels // n_groups) * n_spatial * cnp.PyArray_ITEMSIZE(x)
+    cdef int64_t group_bytes = 2 * fastln_gn_group_size(&call) * cnp.PyArray_ITEMSIZE(x)
     with nogil:
         # As the forward: a task per group while there are groups enough to share out.
         if (not channels_last and group_bytes <= GN_MAX_GROUP_BYTES_IN_CACHE

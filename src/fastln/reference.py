@@ -213,15 +213,16 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
 def _check_row_backward(op, dy, cache, gamma, out, num_threads):
     """The checks of layer_norm_backward and rms_norm_backward (op), in fastln's order: dy, the
     cache, x.shape[axis:] not empty, gamma, num_threads, out. Returns dy as an array, the
-    checked copy of the cache and gamma (flattened, in the statistics dtype; or None)."""
+    checked copy of the cache, gamma (flattened, in the statistics dtype; or None) and the
+    (rows, columns) x is taken as."""
     dy = as_array(dy, "dy")
     cache = check_cache(cache, dy, op)
-    rows_and_cols(cache.shape, cache.axis)      # its error (an empty x.shape[axis:]) first
+    N, H = rows_and_cols(cache.shape, cache.axis)   # its error (an empty x.shape[axis:]) first
     gamma = check_param(gamma, "gamma", cache.shape[cache.axis:], compute_dtype(cache.dtype))
     check_num_threads(num_threads)
     if out is not None:
         check_out(out, cache.shape, cache.dtype)
-    return dy, cache, gamma
+    return dy, cache, gamma, N, H
 
 
 def _scaled_gamma(gamma, n):
@@ -243,10 +244,9 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     The backward is linear in dy: each row of dy (each column, for the sums over rows) is
     scaled by a power of two like x's rows, and the scale taken out of the results.
     """
-    dy, cache, gamma = _check_row_backward("layer_norm", dy, cache, gamma, out, num_threads)
+    dy, cache, gamma, N, H = _check_row_backward("layer_norm", dy, cache, gamma, out, num_threads)
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)          # dgamma, dbeta: float32 for float16/bfloat16
-    N, H = rows_and_cols(cache.shape, cache.axis)
     normalized_shape = cache.shape[cache.axis:]
 
     X = _as_rows_float64(cache.x, N, H)
@@ -354,10 +354,9 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
         dgamma = sum over rows of dy * x_hat
     (dy scaled by powers of two as in :func:`layer_norm_backward`).
     """
-    dy, cache, gamma = _check_row_backward("rms_norm", dy, cache, gamma, out, num_threads)
+    dy, cache, gamma, N, H = _check_row_backward("rms_norm", dy, cache, gamma, out, num_threads)
     dtype = cache.dtype
     stats_dtype = compute_dtype(dtype)
-    N, H = rows_and_cols(cache.shape, cache.axis)
     normalized_shape = cache.shape[cache.axis:]
 
     X = _as_rows_float64(cache.x, N, H)

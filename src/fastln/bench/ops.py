@@ -15,7 +15,8 @@ one row each); the fused add + norm reads x and residual and writes y and s (4 n
 implementation moves more, and the column shows what fusing saves). A feature's batch
 statistics need all of its values before its first output, so once x is larger than the cache
 batch_norm_train reads x twice and writes y (3 n), batch_norm_backward reads dy and x twice and
-writes dx (5 n); batch_norm_eval, with the running statistics, reads x once and writes y (2 n); for arrays that fit in the cache those second reads come from it. Batch norm
+writes dx (5 n); for arrays that fit in the cache those second reads come from it.
+batch_norm_eval, from the running statistics, reads x once and writes y (2 n). Batch norm
 reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch. Group norm and
 instance norm read it as (N, C, H, W, ...) - group_norm_last too, the same tensor laid out
 channels last, (N, H, W, ..., C) in memory - in gcd(32, C) groups (the diffusion models' 32),

@@ -389,7 +389,8 @@ def _inplace_batch_norm_train(inputs, num_threads, out_buffer):
 
 def _inplace_batch_norm_eval(inputs, num_threads, out_buffer):
     x, ndim = inputs.x, inputs.x.ndim
-    # Per-feature scale = gamma / sqrt(running_var + eps), kept across calls like a model's.
+    # Per-feature scale = gamma / sqrt(running_var + eps): its buffer is kept across calls, its
+    # values computed in each, as fastln's and the other peers' calls do.
     scale = np.empty(inputs.n_features, x.dtype)
     mean_f, scale_f, beta_f = (per_feature(v, ndim) for v in (inputs.running_mean, scale,
                                                                inputs.beta))

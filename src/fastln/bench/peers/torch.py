@@ -186,7 +186,7 @@ def _batch_norm_eval(inputs, num_threads, out_buffer):
     batch_norm = torch.nn.functional.batch_norm
 
     def call():
-        return batch_norm(x, running_mean, running_var, gamma, beta, False, 0.1, EPS)
+        return batch_norm(x, running_mean, running_var, gamma, beta, False, eps=EPS)
 
     return _prepared(torch, call, num_threads, out_buffer)
 
