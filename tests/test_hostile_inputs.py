@@ -461,6 +461,15 @@ def build_x_and_out(case, rng, scaling, out_key="out"):
     return x, out
 
 
+def start_forward(case, scaling):
+    """What each forward's builder starts from: the case's rng, x and out (see
+    build_x_and_out), the axis as the API would normalise it, and the result's dtype."""
+    rng = np.random.default_rng(case["seed"])
+    x, out = build_x_and_out(case, rng, scaling)
+    axis = norm_axis(case["axis"], len(case["shape"]))
+    return rng, x, out, axis, result_dtype(case["dtype"], case["func"])
+
+
 def scaled_eps(eps, scaling):
     """eps * c**2 for an expected call, rounded once (c**2 alone may not be a float)."""
     if scaling is None or not scaling.exponent:
@@ -470,11 +479,8 @@ def scaled_eps(eps, scaling):
 
 def build_row_norm(case, scaling=None, drop_out=False):
     """layer_norm / layer_norm_forward / rms_norm / rms_norm_forward."""
-    rng = np.random.default_rng(case["seed"])
-    x, out = build_x_and_out(case, rng, scaling)
+    rng, x, out, axis, dtype = start_forward(case, scaling)
     shape = case["shape"]
-    axis = norm_axis(case["axis"], len(shape))
-    dtype = result_dtype(case["dtype"], case["func"])
     nshape = shape[axis:] if axis is not None else shape[-1:]
     gamma = make_param(rng, case["gamma"], nshape, dtype, "gamma")
     beta = make_param(rng, case["beta"], nshape, dtype, "beta")
@@ -492,11 +498,8 @@ def build_row_norm(case, scaling=None, drop_out=False):
 
 def build_add_norm(case, scaling=None, drop_out=False):
     """add_layer_norm(_forward) / add_rms_norm(_forward)."""
-    rng = np.random.default_rng(case["seed"])
-    x, out = build_x_and_out(case, rng, scaling)
+    rng, x, out, axis, dtype = start_forward(case, scaling)
     shape = case["shape"]
-    axis = norm_axis(case["axis"], len(shape))
-    dtype = result_dtype(case["dtype"], case["func"])
     nshape = shape[axis:] if axis is not None else shape[-1:]
     residual_shape = {"same": shape, "broadcast": (1,) * (len(shape) - 1) + shape[-1:],
                       "wrong": shape[:-1] + (shape[-1] + 1,)}[case["residual_shape"]]
@@ -571,11 +574,8 @@ def make_running(rng, mode, n_features):
 
 def build_batch_norm(case, scaling=None, drop_out=False):
     """batch_norm / batch_norm_forward."""
-    rng = np.random.default_rng(case["seed"])
-    x, out = build_x_and_out(case, rng, scaling)
+    rng, x, out, axis, dtype = start_forward(case, scaling)
     shape = case["shape"]
-    axis = norm_axis(case["axis"], len(shape))
-    dtype = result_dtype(case["dtype"], case["func"])
     n_features = shape[axis] if axis is not None else shape[-1]
     gamma = make_param(rng, case["gamma"], (n_features,), dtype, "gamma")
     beta = make_param(rng, case["beta"], (n_features,), dtype, "beta")
@@ -1450,15 +1450,10 @@ COMPARE = {
 # The suites: one per public function
 # --------------------------------------------------------------------------------------------
 
-STRATEGIES = {
-    "layer_norm": row_norm_cases, "layer_norm_forward": row_norm_cases,
-    "rms_norm": row_norm_cases, "rms_norm_forward": row_norm_cases,
-    "add_layer_norm": add_norm_cases, "add_layer_norm_forward": add_norm_cases,
-    "add_rms_norm": add_norm_cases, "add_rms_norm_forward": add_norm_cases,
-    "batch_norm": batch_norm_cases, "batch_norm_forward": batch_norm_cases,
-    "layer_norm_backward": backward_cases, "rms_norm_backward": backward_cases,
-    "batch_norm_backward": backward_cases,
-}
+# Each function's cases are drawn by the strategy of its builder's family.
+CASES_OF_BUILDER = {build_row_norm: row_norm_cases, build_add_norm: add_norm_cases,
+                    build_batch_norm: batch_norm_cases, build_backward: backward_cases}
+STRATEGIES = {func: CASES_OF_BUILDER[builder] for func, builder in BUILDERS.items()}
 
 
 @pytest.mark.parametrize("func", sorted(STRATEGIES))
@@ -1508,9 +1503,7 @@ def test_layouts_are_hostile_and_keep_values(layout):
 
 
 def test_harness_catches_a_wrong_result(monkeypatch):
-    case = dict(func="layer_norm", seed=1, shape=(3, 5), axis=-1, dtype="float32",
-                x_kind="normal", x_layout=Layout(), eps=1e-5, num_threads=None, gamma="none",
-                beta="none", out="none")
+    case = harness_case("layer_norm", seed=1, shape=(3, 5), axis=-1, dtype="float32")
     check_case(case)
     real = fastln.layer_norm
     monkeypatch.setattr(fastln, "layer_norm", lambda *a, **k: real(*a, **k) * np.float32(1.001))
@@ -1519,9 +1512,7 @@ def test_harness_catches_a_wrong_result(monkeypatch):
 
 
 def test_harness_catches_a_modified_input(monkeypatch):
-    case = dict(func="rms_norm", seed=2, shape=(2, 4), axis=-1, dtype="float64",
-                x_kind="normal", x_layout=Layout(), eps=1e-5, num_threads=None, gamma="right",
-                beta="none", out="none")
+    case = harness_case("rms_norm", seed=2, shape=(2, 4), axis=-1, gamma="right")
     check_case(case)
     real = fastln.rms_norm
 
