@@ -90,6 +90,22 @@ def run_both(call, dtype=np.float64, shape=(5, N_COLS), monkeypatch=None, seed=0
     return fast, general
 
 
+def assert_fast_is_general(call, shape, monkeypatch):
+    """run_both of a call that casts the float64 inputs itself: no error, every call on the
+    fast path, and the general path's result."""
+    fast, _ = run_both(call, np.float64, shape, monkeypatch)
+    assert fast.error is None and fast.always_fast, fast.fast_results
+    return fast
+
+
+def assert_falls_back(call, dtype, shape, monkeypatch, backward=False):
+    """An unusual call declines the fast path (the backward's, with backward) and gets the
+    general path's result or error."""
+    fast, _ = run_both(call, dtype, shape, monkeypatch)
+    took_fast_path = fast.backward_took_fast_path if backward else fast.took_fast_path
+    assert not took_fast_path, fast.fast_results
+
+
 def assert_same_result(a, b, where="result"):
     """Same structure; arrays of the same type, dtype, shape, contiguity and bytes; caches of
     the same class with the same fields."""
@@ -548,8 +564,7 @@ def test_half_precision_takes_the_fast_path(monkeypatch, op, dtype):
             return getattr(fastln, op + "_forward")(x, d["residual"].astype(dtype), gamma)
         y, cache = getattr(fastln, op + "_forward")(x, gamma)
         return y, cache, getattr(fastln, op + "_backward")(d["dy"].astype(dtype), cache, gamma)
-    fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert_fast_is_general(call, (5, N_COLS), monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", _half_dtypes())
@@ -575,8 +590,7 @@ def test_half_precision_parameters_in_x_format_take_the_fast_path(monkeypatch, o
         params = (gamma, beta) if op == "layer_norm" else (gamma,)
         y, cache = getattr(fastln, op + "_forward")(x, *params)
         return y, cache, getattr(fastln, op + "_backward")(dy, cache, gamma)
-    fast, _ = run_both(call, np.float64, (5, N_COLS), monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    fast = assert_fast_is_general(call, (5, N_COLS), monkeypatch)
     assert np.isnan(fast.result[0][:, 3].astype(np.float32)).all()
 
 
@@ -776,8 +790,7 @@ def test_batch_norm_fast_path_is_the_general_path(monkeypatch, layout, training,
     """y, the cache and the updated running statistics: the general path's bits."""
     fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
     call = _bn_call(dtype, training, with_params, running, momentum, out, keep_cache)
-    fast, _ = run_both(call, np.float64, BN_LAYOUTS[layout][0], monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert_fast_is_general(call, BN_LAYOUTS[layout][0], monkeypatch)
 
 
 def _bn(d, **kwargs):
@@ -819,9 +832,7 @@ BN_FALLBACKS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(BN_FALLBACKS))
 def test_batch_norm_falls_back(monkeypatch, name, dtype):
-    """Unusual calls decline the fast path and get the general path's result or error."""
-    fast, general = run_both(BN_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
-    assert not fast.took_fast_path, fast.fast_results
+    assert_falls_back(BN_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -863,8 +874,7 @@ def test_batch_norm_backward_fast_path_is_the_general_path(monkeypatch, layout, 
     """dx, dgamma and dbeta: the general path's bits, forward and backward on the fast path."""
     fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
     call = _bn_backward_call(dtype, layout, training, with_gamma, out)
-    fast, _ = run_both(call, np.float64, BN_LAYOUTS[layout][0], monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    fast = assert_fast_is_general(call, BN_LAYOUTS[layout][0], monkeypatch)
     assert fast.backward_took_fast_path
 
 
@@ -918,10 +928,8 @@ BN_BACKWARD_FALLBACKS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(BN_BACKWARD_FALLBACKS))
 def test_batch_norm_backward_falls_back(monkeypatch, name, dtype):
-    """Unusual calls decline the backward's fast path and get the general path's result or
-    error."""
-    fast, _ = run_both(BN_BACKWARD_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch)
-    assert not fast.backward_took_fast_path, fast.fast_results
+    assert_falls_back(BN_BACKWARD_FALLBACKS[name], dtype, (5, N_COLS), monkeypatch,
+                      backward=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -968,15 +976,13 @@ def test_group_norm_fast_path_is_the_general_path(monkeypatch, function, dtype, 
     """y and the cache: the general path's bits."""
     fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
     call, shape = _gn_call(function, dtype, layout, with_params, out)
-    fast, _ = run_both(call, np.float64, shape, monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert_fast_is_general(call, shape, monkeypatch)
 
 
 @pytest.mark.parametrize("num_threads", (1, 2, 3))
 def test_group_norm_fast_path_threads(monkeypatch, num_threads):
     call, shape = _gn_call("group_norm_forward", np.float32, "last", True, False, num_threads)
-    fast, _ = run_both(call, np.float64, shape, monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    assert_fast_is_general(call, shape, monkeypatch)
 
 
 def _gn(d, **changes):
@@ -1025,9 +1031,7 @@ GN_FALLBACKS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(GN_FALLBACKS))
 def test_group_norm_falls_back(monkeypatch, name, dtype):
-    """Unusual calls decline the fast path and get the general path's result or error."""
-    fast, _ = run_both(GN_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch)
-    assert not fast.took_fast_path, fast.fast_results
+    assert_falls_back(GN_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1067,8 +1071,7 @@ def test_group_norm_backward_fast_path_is_the_general_path(monkeypatch, op, dtyp
                                                            with_gamma, out):
     fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
     call, shape = _gn_backward_call(op, dtype, layout, with_gamma, out)
-    fast, _ = run_both(call, np.float64, shape, monkeypatch)
-    assert fast.error is None and fast.always_fast, fast.fast_results
+    fast = assert_fast_is_general(call, shape, monkeypatch)
     assert fast.backward_took_fast_path
 
 
@@ -1132,7 +1135,5 @@ GN_BACKWARD_FALLBACKS = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(GN_BACKWARD_FALLBACKS))
 def test_group_norm_backward_falls_back(monkeypatch, name, dtype):
-    """Unusual calls decline the backward's fast path and get the general path's result or
-    error."""
-    fast, _ = run_both(GN_BACKWARD_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch)
-    assert not fast.backward_took_fast_path, fast.fast_results
+    assert_falls_back(GN_BACKWARD_FALLBACKS[name], dtype, (30, N_COLS), monkeypatch,
+                      backward=True)
