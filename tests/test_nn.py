@@ -41,6 +41,17 @@ def torch_forward_backward(module, x, dy):
     return y.detach().numpy(), x_tensor.grad.numpy(), grads
 
 
+def assert_matches_torch(layer, reference, x, dy, dtype):
+    """A forward and a backward of the layer and of the torch module agree (y and dx); returns
+    the layer's y and dx and torch's parameter gradients."""
+    y_ref, dx_ref, grads_ref = torch_forward_backward(reference, x, dy)
+    y = layer(x)
+    dx = layer.backward(dy)
+    np.testing.assert_allclose(y, y_ref, **TOLERANCE[dtype])
+    np.testing.assert_allclose(dx, dx_ref, **TOLERANCE[dtype])
+    return y, dx, grads_ref
+
+
 def randomize_params(layer, rng):
     for param in layer.parameters():
         param[...] = rng.uniform(0.5, 1.5, param.shape) * rng.choice([-1, 1], param.shape)
@@ -68,12 +79,8 @@ def test_layer_norm_matches_torch_both_ways(dtype, normalized_shape, x_shape, af
 
     x = random(rng, x_shape, dtype, scale=3.0, offset=1.0)
     dy = random(rng, x_shape, dtype)
-    y_ref, dx_ref, grads_ref = torch_forward_backward(reference, x, dy)
-    y = layer(x)
-    dx = layer.backward(dy)
+    y, dx, grads_ref = assert_matches_torch(layer, reference, x, dy, dtype)
     assert y.dtype == dx.dtype == dtype
-    np.testing.assert_allclose(y, y_ref, **TOLERANCE[dtype])
-    np.testing.assert_allclose(dx, dx_ref, **TOLERANCE[dtype])
     assert set(grads_ref) == set(layer.named_parameters())
     for name, grad in grads_ref.items():
         np.testing.assert_allclose(getattr(layer, name + "_grad"), grad, **TOLERANCE[dtype])
@@ -101,11 +108,7 @@ def test_rms_norm_matches_torch_both_ways(dtype, eps, normalized_shape, x_shape)
 
     x = random(rng, x_shape, dtype, scale=2.0, offset=0.5)
     dy = random(rng, x_shape, dtype)
-    y_ref, dx_ref, grads_ref = torch_forward_backward(reference, x, dy)
-    y = layer(x)
-    dx = layer.backward(dy)
-    np.testing.assert_allclose(y, y_ref, **TOLERANCE[dtype])
-    np.testing.assert_allclose(dx, dx_ref, **TOLERANCE[dtype])
+    _, _, grads_ref = assert_matches_torch(layer, reference, x, dy, dtype)
     np.testing.assert_allclose(layer.weight_grad, grads_ref["weight"], **TOLERANCE[dtype])
 
     randomize_params(layer, rng)
@@ -137,11 +140,7 @@ def test_batch_norm_with_unbiased_running_var_matches_torch_in_both_modes(dtype,
     for step in range(3):  # training: batch statistics, running statistics follow
         x = random(rng, x_shape, dtype, scale=2.0 + step, offset=step - 1.0)
         dy = random(rng, x_shape, dtype)
-        y_ref, dx_ref, grads_ref = torch_forward_backward(reference, x, dy)
-        y = layer(x)
-        dx = layer.backward(dy)
-        np.testing.assert_allclose(y, y_ref, **TOLERANCE[dtype])
-        np.testing.assert_allclose(dx, dx_ref, **TOLERANCE[dtype])
+        _, _, grads_ref = assert_matches_torch(layer, reference, x, dy, dtype)
     # torch's .grad accumulated over the three backwards, like weight_grad here
     np.testing.assert_allclose(layer.weight_grad, grads_ref["weight"], **TOLERANCE[dtype])
     np.testing.assert_allclose(layer.bias_grad, grads_ref["bias"], **TOLERANCE[dtype])
