@@ -217,6 +217,19 @@ def test_python_lists_are_accepted():
     assert_close(dbeta, dbeta_ref)
 
 
+def _assert_backward_writes_out(out, dy, cache, gamma, num_threads):
+    """layer_norm_backward(..., out=out) returns out as dx, with the bits of a call without out
+    (made first, on a copy of dy: out may be dy itself)."""
+    dx_expected, dgamma_expected, dbeta_expected = fastln.layer_norm_backward(
+        dy.copy(), cache, gamma)
+    dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, gamma, out=out,
+                                                   num_threads=num_threads)
+    assert dx is out
+    np.testing.assert_array_equal(dx, dx_expected)
+    np.testing.assert_array_equal(dgamma, dgamma_expected)
+    np.testing.assert_array_equal(dbeta, dbeta_expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("num_threads", THREADS)
 def test_out_new_buffer(rng, dtype, num_threads):
@@ -235,14 +248,7 @@ def test_out_new_buffer(rng, dtype, num_threads):
     snap.assert_unchanged()
 
     dy = rng.standard_normal(x.shape).astype(dtype)
-    dx_expected, dgamma_expected, dbeta_expected = fastln.layer_norm_backward(dy, cache, gamma)
-    dx_out = np.full(x.shape, np.nan, dtype)
-    dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, gamma, out=dx_out,
-                                                   num_threads=num_threads)
-    assert dx is dx_out
-    np.testing.assert_array_equal(dx, dx_expected)
-    np.testing.assert_array_equal(dgamma, dgamma_expected)
-    np.testing.assert_array_equal(dbeta, dbeta_expected)
+    _assert_backward_writes_out(np.full(x.shape, np.nan, dtype), dy, cache, gamma, num_threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -263,14 +269,7 @@ def test_in_place(rng, dtype, num_threads, shape_axis):
     x = random_input(rng, shape, dtype)
     dy = rng.standard_normal(shape).astype(dtype)
     _, cache = fastln.layer_norm_forward(x, gamma, beta, axis=axis)
-    dx_expected, dgamma_expected, dbeta_expected = fastln.layer_norm_backward(
-        dy.copy(), cache, gamma)
-    dx, dgamma, dbeta = fastln.layer_norm_backward(dy, cache, gamma, out=dy,
-                                                   num_threads=num_threads)
-    assert dx is dy
-    np.testing.assert_array_equal(dx, dx_expected)
-    np.testing.assert_array_equal(dgamma, dgamma_expected)
-    np.testing.assert_array_equal(dbeta, dbeta_expected)
+    _assert_backward_writes_out(dy, dy, cache, gamma, num_threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
