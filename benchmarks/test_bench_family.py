@@ -20,48 +20,23 @@ ROW_SHAPES = ((64, 768), (4096, 768), (32768, 1024))
 BATCH_NORM_SHAPES = ((4096, 768), (32, 64, 28, 28))
 
 
-def _parametrize(op, shapes):
-    names = [implementation.name for implementation in OPERATIONS[op].implementations]
-    # Implementation varies fastest: the tests of one case run together and share its inputs.
-    cases = [(shape, dtype, name) for shape in shapes for dtype in DTYPES for name in names]
-    return pytest.mark.parametrize("shape, dtype, implementation_name", cases,
-                                   ids=[f"{_shape_id(shape)}-{dtype}-{name}"
-                                        for shape, dtype, name in cases])
+# Each operation with its shapes, in the order the tests run.
+OPERATION_SHAPES = {
+    "rms_forward": ROW_SHAPES,
+    "rms_backward": ROW_SHAPES,
+    "add_layer_norm": ROW_SHAPES,
+    "add_rms_norm": ROW_SHAPES,
+    "batch_norm_train": BATCH_NORM_SHAPES,
+    "batch_norm_backward": BATCH_NORM_SHAPES,
+}
+# Implementation varies fastest: the tests of one case run together and share its inputs.
+CASES = [(op, shape, dtype, implementation.name)
+         for op, shapes in OPERATION_SHAPES.items() for shape in shapes for dtype in DTYPES
+         for implementation in OPERATIONS[op].implementations]
 
 
-@_parametrize("rms_forward", ROW_SHAPES)
-def test_rms_forward(benchmark, input_cache, num_threads, shape, dtype, implementation_name):
-    run_benchmark(benchmark, input_cache, num_threads, "rms_forward", shape, dtype,
-                  implementation_name)
-
-
-@_parametrize("rms_backward", ROW_SHAPES)
-def test_rms_backward(benchmark, input_cache, num_threads, shape, dtype, implementation_name):
-    run_benchmark(benchmark, input_cache, num_threads, "rms_backward", shape, dtype,
-                  implementation_name)
-
-
-@_parametrize("add_layer_norm", ROW_SHAPES)
-def test_add_layer_norm(benchmark, input_cache, num_threads, shape, dtype, implementation_name):
-    run_benchmark(benchmark, input_cache, num_threads, "add_layer_norm", shape, dtype,
-                  implementation_name)
-
-
-@_parametrize("add_rms_norm", ROW_SHAPES)
-def test_add_rms_norm(benchmark, input_cache, num_threads, shape, dtype, implementation_name):
-    run_benchmark(benchmark, input_cache, num_threads, "add_rms_norm", shape, dtype,
-                  implementation_name)
-
-
-@_parametrize("batch_norm_train", BATCH_NORM_SHAPES)
-def test_batch_norm_train(benchmark, input_cache, num_threads, shape, dtype,
-                          implementation_name):
-    run_benchmark(benchmark, input_cache, num_threads, "batch_norm_train", shape, dtype,
-                  implementation_name)
-
-
-@_parametrize("batch_norm_backward", BATCH_NORM_SHAPES)
-def test_batch_norm_backward(benchmark, input_cache, num_threads, shape, dtype,
-                             implementation_name):
-    run_benchmark(benchmark, input_cache, num_threads, "batch_norm_backward", shape, dtype,
-                  implementation_name)
+@pytest.mark.parametrize("op, shape, dtype, implementation_name", CASES,
+                         ids=[f"{op}-{_shape_id(shape)}-{dtype}-{name}"
+                              for op, shape, dtype, name in CASES])
+def test_operation(benchmark, input_cache, num_threads, op, shape, dtype, implementation_name):
+    run_benchmark(benchmark, input_cache, num_threads, op, shape, dtype, implementation_name)
