@@ -19,6 +19,9 @@ import fastln.reference as ref
 from conftest import Snapshot, assert_close
 
 IMPLS = {"fastln": fastln, "reference": ref}
+# A test's `module`: fastln, then the reference (ids "fastln", "reference").
+each_implementation = pytest.mark.parametrize("module", [IMPLS[name] for name in sorted(IMPLS)],
+                                              ids=sorted(IMPLS))
 SHAPE = (6, 8)
 
 
@@ -80,38 +83,35 @@ WRONG_DY_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@each_implementation
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("wrong", sorted(WRONG_DY_SHAPES))
-def test_dy_of_another_shape(impl, op, wrong):
-    module = IMPLS[impl]
+def test_dy_of_another_shape(module, op, wrong):
     x, dy = _inputs()
     cache, backward = _forward(module, op, x)
     _assert_refused(getattr(module, backward), WRONG_DY_SHAPES[wrong](dy), cache, ValueError,
                     ["dy", "shape"])
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@each_implementation
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("x_dtype, dy_dtype", [
     (np.float32, np.float64), (np.float64, np.float32), (np.float32, np.int32),
     (np.float64, np.int64), (np.float64, np.bool_), (np.float32, np.complex64),
     (np.int64, np.int64),  # integer x computes in float64: dy must be float64 too
 ])
-def test_dy_of_another_dtype(impl, op, x_dtype, dy_dtype):
-    module = IMPLS[impl]
+def test_dy_of_another_dtype(module, op, x_dtype, dy_dtype):
     x, dy = _inputs()
     cache, backward = _forward(module, op, (x * 10).astype(x_dtype))
     _assert_refused(getattr(module, backward), dy.astype(dy_dtype), cache, ValueError,
                     ["dy", "dtype"])
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@each_implementation
 @pytest.mark.parametrize("op", OPS)
-def test_dy_with_the_right_dtype_in_another_byte_order_or_layout_works(impl, op):
+def test_dy_with_the_right_dtype_in_another_byte_order_or_layout_works(module, op):
     """Not misuse: dy matching the cache in any layout or byte order gives the usual result.
     (A nested list is not: it converts to float64, which a float32 cache refuses.)"""
-    module = IMPLS[impl]
     x, dy = _inputs(np.float32)
     cache, backward = _forward(module, op, x)
     expected = getattr(module, backward)(dy, cache)
@@ -131,11 +131,10 @@ def _expected_backward(op):
             "batch_norm": "batch_norm_backward"}[op]
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@each_implementation
 @pytest.mark.parametrize("op, backward", [(op, backward) for op in OPS for backward in BACKWARDS
                                           if backward != _expected_backward(op)])
-def test_cache_from_another_operation(impl, op, backward):
-    module = IMPLS[impl]
+def test_cache_from_another_operation(module, op, backward):
     x, dy = _inputs()
     cache, _ = _forward(module, op, x)
     _assert_refused(getattr(module, backward), dy, cache, ValueError,
@@ -163,11 +162,10 @@ NOT_CACHES = {
 }
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@each_implementation
 @pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("thing", sorted(NOT_CACHES))
-def test_not_a_cache(impl, backward, thing):
-    module = IMPLS[impl]
+def test_not_a_cache(module, backward, thing):
     x, dy = _inputs()
     y, cache = module.layer_norm_forward(x)
     with pytest.raises(TypeError, match="cache"):
