@@ -297,6 +297,39 @@ FASTLN_INLINE void FASTLN_ISA(stream_bytes)(void *p, const void *v, size_t n_byt
     memcpy((char *)p + done, (const char *)v + done, n_bytes - done);
 }
 
+/* A double vector streamed from its register (p 16-byte aligned): one non-temporal store
+ * where p is aligned to the vector's width, which measured faster than 16-byte pieces for
+ * double outputs; else the pieces, taken from the register (a copy on the stack made GCC
+ * spill every vector of loops that also store plainly). float32 and half vectors keep
+ * stream_bytes: whole-vector stores were no faster for them overall (docs/performance.md). */
+FASTLN_INLINE void FASTLN_ISA(stream_f64)(double *p, FASTLN_VD v)
+{
+#if defined(__AVX512F__)
+    const __m512d w = (__m512d)v;
+    if (((uintptr_t)p & 63) == 0) {
+        _mm512_stream_pd(p, w);
+        return;
+    }
+    const __m256d low = _mm512_castpd512_pd256(w), high = _mm512_extractf64x4_pd(w, 1);
+    _mm_stream_pd(p, _mm256_castpd256_pd128(low));
+    _mm_stream_pd(p + 2, _mm256_extractf128_pd(low, 1));
+    _mm_stream_pd(p + 4, _mm256_castpd256_pd128(high));
+    _mm_stream_pd(p + 6, _mm256_extractf128_pd(high, 1));
+#elif defined(__AVX__)
+    const __m256d w = (__m256d)v;
+    if (((uintptr_t)p & 31) == 0) {
+        _mm256_stream_pd(p, w);
+        return;
+    }
+    _mm_stream_pd(p, _mm256_castpd256_pd128(w));
+    _mm_stream_pd(p + 2, _mm256_extractf128_pd(w, 1));
+#elif defined(__x86_64__)
+    _mm_stream_pd(p, (__m128d)v);
+#else
+    memcpy(p, &v, sizeof v);
+#endif
+}
+
 #if !FASTLN_ISA_BFLOAT16_ONLY
 #define FASTLN_STORAGE FASTLN_FLOAT16
 #include "fastln/storage.h"

@@ -123,9 +123,13 @@ FASTLN_INLINE void FASTLN_NAME(store_c)(FASTLN_T *p, FASTLN_VC v)
 /* store_c with non-temporal stores; p must be 16-byte aligned. */
 FASTLN_INLINE void FASTLN_NAME(stream_c)(FASTLN_T *p, FASTLN_VC v)
 {
+#if FASTLN_STORAGE == FASTLN_FLOAT64
+    FASTLN_ISA(stream_f64)(p, v);
+#else
     FASTLN_T elements[FASTLN_VC_LANES];
     FASTLN_NAME(store_c)(elements, v);
     FASTLN_ISA(stream_bytes)(p, elements, sizeof elements);
+#endif
 }
 
 /* store_c, or stream_c when streaming. */
@@ -181,9 +185,14 @@ FASTLN_INLINE void FASTLN_NAME(store_wide_to)(FASTLN_T *p, FASTLN_VD low, FASTLN
         FASTLN_NAME(store_wide)(p, low, high);
         return;
     }
+#if FASTLN_COMPUTE_F32
     FASTLN_T out[FASTLN_VF_LANES];
     FASTLN_NAME(store_wide)(out, low, high);
     FASTLN_ISA(stream_bytes)(p, out, sizeof out);
+#else
+    FASTLN_ISA(stream_f64)(p, low);
+    FASTLN_ISA(stream_f64)(p + FASTLN_VD_LANES, high);
+#endif
 }
 
 /* The same from parameters (gamma, beta, bias: FASTLN_P) and from padded blocks of compute
