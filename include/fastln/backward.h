@@ -442,19 +442,27 @@ FASTLN_INLINE fastln_ln_backward_floats FASTLN_NAME(ln_backward_to_floats)(
     return row;
 }
 
-/* dx for VF_LANES elements; their dy * x_hat and dy are added to dgamma and dbeta. gamma_v is
- * gamma's vector for these columns (NULL without gamma), loaded by the caller: once for all the
- * rows of a group, as x and dy are the only loads each row needs. */
-FASTLN_INLINE FASTLN_VF FASTLN_NAME(ln_backward_dx_float)(
-    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_VF *gamma_v,
-    const fastln_ln_backward_floats *row, FASTLN_VF *dgamma, FASTLN_VF *dbeta)
+/* dx for VF_LANES elements from their dy and x vectors; their dy * x_hat and dy are added to
+ * dgamma and dbeta. gamma_v is gamma's vector for these columns (NULL without gamma), loaded by
+ * the caller: once for all the rows of a group, as x and dy are the only loads each row needs. */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(ln_backward_dx_float_of)(
+    FASTLN_VF dy_v, FASTLN_VF x_v, const FASTLN_VF *gamma_v, const fastln_ln_backward_floats *row,
+    FASTLN_VF *dgamma, FASTLN_VF *dbeta)
 {
-    const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy);
-    const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x) - row->mean_head) - row->mean_tail) * row->rstd;
+    const FASTLN_VF x_hat = ((x_v - row->mean_head) - row->mean_tail) * row->rstd;
     const FASTLN_VF dx_hat = gamma_v ? dy_v * *gamma_v : dy_v;
     *dgamma += dy_v * x_hat;
     *dbeta += dy_v;
     return ((dx_hat - row->mean_dxhat) - x_hat * row->mean_dxhat_xhat) * row->rstd;
+}
+
+/* The same from dy and x in memory. */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(ln_backward_dx_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_VF *gamma_v,
+    const fastln_ln_backward_floats *row, FASTLN_VF *dgamma, FASTLN_VF *dbeta)
+{
+    return FASTLN_NAME(ln_backward_dx_float_of)(FASTLN_NAME(load_c)(dy), FASTLN_NAME(load_c)(x),
+                                                gamma_v, row, dgamma, dbeta);
 }
 
 /* The same for one element, with each lane's arithmetic. */
@@ -565,6 +573,27 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
             FASTLN_NAME(ln_backward_write_float_vector)(dy + r * stride, x + r * stride, gamma,
                                                         dx + r * stride, i, &rows[r], dgamma_acc,
                                                         dbeta_acc, 0);
+#if FASTLN_MASKED_F32 && FASTLN_STORAGE == FASTLN_FLOAT32
+    /* The last columns (and the few before dx's first line, a call of their own) in one masked
+     * vector per row instead of one at a time, each with its accumulators' load and store
+     * (docs/performance.md): each lane's arithmetic is the element's, and the rows add to the
+     * accumulators in row order, so the bits are the same. */
+    if (i < width) {
+        const int64_t n = width - i;
+        FASTLN_VF dgamma = FASTLN_ISA(load_f32_first)(dgamma_acc + i, n);
+        FASTLN_VF dbeta = FASTLN_ISA(load_f32_first)(dbeta_acc + i, n);
+        const FASTLN_VF gamma_v = gamma ? FASTLN_ISA(load_f32_first)(gamma + i, n) : dgamma;
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            FASTLN_ISA(store_f32_first)(dx + at, FASTLN_NAME(ln_backward_dx_float_of)(
+                FASTLN_ISA(load_f32_first)(dy + at, n), FASTLN_ISA(load_f32_first)(x + at, n),
+                gamma ? &gamma_v : NULL, &rows[r], &dgamma, &dbeta), n);
+        }
+        FASTLN_ISA(store_f32_first)(dgamma_acc + i, dgamma, n);
+        FASTLN_ISA(store_f32_first)(dbeta_acc + i, dbeta, n);
+        return;
+    }
+#endif
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++)
             dx[r * stride + i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
@@ -1009,6 +1038,30 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rstd, mean,
                                               dgamma_acc, 0, stream_dx);
     if (stream_dx) fastln_streaming_fence();
+#if FASTLN_MASKED_F32 && FASTLN_STORAGE == FASTLN_FLOAT32
+    /* The last columns in one masked vector per row, as LayerNorm's float pass does. */
+    if (i < width) {
+        const int64_t n = width - i, n_low = fastln_min(n, FASTLN_VD_LANES);
+        FASTLN_VD dgamma_low = FASTLN_ISA(load_f64_first)(dgamma_acc + i, n_low);
+        FASTLN_VD dgamma_high = FASTLN_ISA(load_f64_first)(dgamma_acc + i + FASTLN_VD_LANES,
+                                                           n - n_low);
+        const FASTLN_VF gamma_v = gamma ? FASTLN_ISA(load_f32_first)(gamma + i, n)
+                                        : (FASTLN_VF){0};
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t at = r * stride + i;
+            const FASTLN_VF dy_v = FASTLN_ISA(load_f32_first)(dy + at, n);
+            const FASTLN_VF x_hat = FASTLN_ISA(load_f32_first)(x + at, n) * rstd[r];
+            const FASTLN_VF dx_hat = gamma ? dy_v * gamma_v : dy_v;
+            const FASTLN_VF dgamma_v = dy_v * x_hat;
+            FASTLN_ISA(store_f32_first)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], n);
+            dgamma_low += FASTLN_ISA(widen_low)(dgamma_v);
+            dgamma_high += FASTLN_ISA(widen_high)(dgamma_v);
+        }
+        FASTLN_ISA(store_f64_first)(dgamma_acc + i, dgamma_low, n_low);
+        FASTLN_ISA(store_f64_first)(dgamma_acc + i + FASTLN_VD_LANES, dgamma_high, n - n_low);
+        return;
+    }
+#endif
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;

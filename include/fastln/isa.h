@@ -282,6 +282,35 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
 #endif
 }
 
+#if defined(__AVX512F__)
+/* The first n (0 <= n < FASTLN_VF_LANES) floats at p as a vector, the other lanes 0, and the
+ * first n lanes of v stored at p: a row's last few elements in one masked vector instead of
+ * one at a time. Masked-off lanes are neither read nor written (nor can they fault). */
+#define FASTLN_MASKED_F32 1
+FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_f32_first)(const float *p, int64_t n)
+{
+    return (FASTLN_VF)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_f32_first)(float *p, FASTLN_VF v, int64_t n)
+{
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+}
+
+/* The same for the first n (0 <= n <= FASTLN_VD_LANES) doubles. */
+FASTLN_INLINE FASTLN_VD FASTLN_ISA(load_f64_first)(const double *p, int64_t n)
+{
+    return (FASTLN_VD)_mm512_maskz_loadu_pd((__mmask8)((1u << n) - 1), p);
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_f64_first)(double *p, FASTLN_VD v, int64_t n)
+{
+    _mm512_mask_storeu_pd(p, (__mmask8)((1u << n) - 1), (__m512d)v);
+}
+#else
+#define FASTLN_MASKED_F32 0
+#endif
+
 /* Streaming stores of n_bytes (see fastln_streaming_fence), in 16-byte pieces so that p needs
  * only 16-byte alignment; bytes beyond the last whole piece are stored plainly. */
 FASTLN_INLINE void FASTLN_ISA(stream_bytes)(void *p, const void *v, size_t n_bytes)
@@ -353,6 +382,7 @@ FASTLN_INLINE void FASTLN_ISA(stream_f64)(double *p, FASTLN_VD v)
 #undef FASTLN_VU32
 #undef FASTLN_VF_LANES
 #undef FASTLN_VD_LANES
+#undef FASTLN_MASKED_F32
 #undef FASTLN_PASS_VECTORS
 #undef FASTLN_PASS_SLOTS
 #undef FASTLN_FLOAT_PASS_SLOTS
