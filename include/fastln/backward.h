@@ -573,7 +573,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
             FASTLN_NAME(ln_backward_write_float_vector)(dy + r * stride, x + r * stride, gamma,
                                                         dx + r * stride, i, &rows[r], dgamma_acc,
                                                         dbeta_acc, 0);
-#if FASTLN_MASKED_F32 && FASTLN_STORAGE == FASTLN_FLOAT32
+#if FASTLN_MASKED
     /* The last columns (and the few before dx's first line, a call of their own) in one masked
      * vector per row instead of one at a time, each with its accumulators' load and store
      * (docs/performance.md): each lane's arithmetic is the element's, and the rows add to the
@@ -585,8 +585,8 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
         const FASTLN_VF gamma_v = gamma ? FASTLN_ISA(load_f32_first)(gamma + i, n) : dgamma;
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;
-            FASTLN_ISA(store_f32_first)(dx + at, FASTLN_NAME(ln_backward_dx_float_of)(
-                FASTLN_ISA(load_f32_first)(dy + at, n), FASTLN_ISA(load_f32_first)(x + at, n),
+            FASTLN_NAME(store_c_first)(dx + at, FASTLN_NAME(ln_backward_dx_float_of)(
+                FASTLN_NAME(load_c_first)(dy + at, n), FASTLN_NAME(load_c_first)(x + at, n),
                 gamma ? &gamma_v : NULL, &rows[r], &dgamma, &dbeta), n);
         }
         FASTLN_ISA(store_f32_first)(dgamma_acc + i, dgamma, n);
@@ -1038,7 +1038,7 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rstd, mean,
                                               dgamma_acc, 0, stream_dx);
     if (stream_dx) fastln_streaming_fence();
-#if FASTLN_MASKED_F32 && FASTLN_STORAGE == FASTLN_FLOAT32
+#if FASTLN_MASKED
     /* The last columns in one masked vector per row, as LayerNorm's float pass does. */
     if (i < width) {
         const int64_t n = width - i, n_low = fastln_min(n, FASTLN_VD_LANES);
@@ -1049,11 +1049,11 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
                                         : (FASTLN_VF){0};
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;
-            const FASTLN_VF dy_v = FASTLN_ISA(load_f32_first)(dy + at, n);
-            const FASTLN_VF x_hat = FASTLN_ISA(load_f32_first)(x + at, n) * rstd[r];
+            const FASTLN_VF dy_v = FASTLN_NAME(load_c_first)(dy + at, n);
+            const FASTLN_VF x_hat = FASTLN_NAME(load_c_first)(x + at, n) * rstd[r];
             const FASTLN_VF dx_hat = gamma ? dy_v * gamma_v : dy_v;
             const FASTLN_VF dgamma_v = dy_v * x_hat;
-            FASTLN_ISA(store_f32_first)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], n);
+            FASTLN_NAME(store_c_first)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], n);
             dgamma_low += FASTLN_ISA(widen_low)(dgamma_v);
             dgamma_high += FASTLN_ISA(widen_high)(dgamma_v);
         }

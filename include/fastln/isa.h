@@ -282,11 +282,11 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The first n (0 <= n < FASTLN_VF_LANES) floats at p as a vector, the other lanes 0, and the
  * first n lanes of v stored at p: a row's last few elements in one masked vector instead of
  * one at a time. Masked-off lanes are neither read nor written (nor can they fault). */
-#define FASTLN_MASKED_F32 1
+#define FASTLN_MASKED 1
 FASTLN_INLINE FASTLN_VF FASTLN_ISA(load_f32_first)(const float *p, int64_t n)
 {
     return (FASTLN_VF)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
@@ -307,8 +307,19 @@ FASTLN_INLINE void FASTLN_ISA(store_f64_first)(double *p, FASTLN_VD v, int64_t n
 {
     _mm512_mask_storeu_pd(p, (__mmask8)((1u << n) - 1), (__m512d)v);
 }
+
+/* The same for the first n (0 <= n < FASTLN_VF_LANES) 16-bit elements (a half vector's). */
+FASTLN_INLINE __m256i FASTLN_ISA(load_u16_first)(const uint16_t *p, int64_t n)
+{
+    return _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+}
+
+FASTLN_INLINE void FASTLN_ISA(store_u16_first)(uint16_t *p, __m256i v, int64_t n)
+{
+    _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), v);
+}
 #else
-#define FASTLN_MASKED_F32 0
+#define FASTLN_MASKED 0
 #endif
 
 /* Streaming stores of n_bytes (see fastln_streaming_fence), in 16-byte pieces so that p needs
@@ -382,7 +393,7 @@ FASTLN_INLINE void FASTLN_ISA(stream_f64)(double *p, FASTLN_VD v)
 #undef FASTLN_VU32
 #undef FASTLN_VF_LANES
 #undef FASTLN_VD_LANES
-#undef FASTLN_MASKED_F32
+#undef FASTLN_MASKED
 #undef FASTLN_PASS_VECTORS
 #undef FASTLN_PASS_SLOTS
 #undef FASTLN_FLOAT_PASS_SLOTS

@@ -120,6 +120,34 @@ FASTLN_INLINE void FASTLN_NAME(store_c)(FASTLN_T *p, FASTLN_VC v)
 #endif
 }
 
+#if FASTLN_MASKED && FASTLN_COMPUTE_F32
+/* The first n (0 <= n < FASTLN_VC_LANES) elements at p as a vector (the other lanes 0), and the
+ * first n lanes of v stored at p, with AVX-512 masks: a row's last few elements in one vector.
+ * The half types go through a vector's worth of elements on the stack, converted as load_c
+ * and store_c convert (the same bits as the elements' own conversions). */
+FASTLN_INLINE FASTLN_VC FASTLN_NAME(load_c_first)(const FASTLN_T *p, int64_t n)
+{
+#if FASTLN_STORAGE == FASTLN_FLOAT32
+    return FASTLN_ISA(load_f32_first)(p, n);
+#else
+    FASTLN_T lanes[FASTLN_VC_LANES];
+    _mm256_storeu_si256((__m256i *)lanes, FASTLN_ISA(load_u16_first)(p, n));
+    return FASTLN_NAME(load_c)(lanes);
+#endif
+}
+
+FASTLN_INLINE void FASTLN_NAME(store_c_first)(FASTLN_T *p, FASTLN_VC v, int64_t n)
+{
+#if FASTLN_STORAGE == FASTLN_FLOAT32
+    FASTLN_ISA(store_f32_first)(p, v, n);
+#else
+    FASTLN_T lanes[FASTLN_VC_LANES];
+    FASTLN_NAME(store_c)(lanes, v);
+    FASTLN_ISA(store_u16_first)(p, _mm256_loadu_si256((const __m256i *)lanes), n);
+#endif
+}
+#endif
+
 /* store_c with non-temporal stores; p must be 16-byte aligned. */
 FASTLN_INLINE void FASTLN_NAME(stream_c)(FASTLN_T *p, FASTLN_VC v)
 {
