@@ -975,6 +975,19 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
 }
 
 #if FASTLN_COMPUTE_F32
+/* dx = (dx_hat - x_hat * mean) * rstd for VF_LANES elements from their dy and x vectors, each
+ * product rounded once; dy * x_hat, the dgamma term, in *dgamma_v. gamma_v as in
+ * ln_backward_dx_float_of. */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(rms_backward_dx_float_of)(
+    FASTLN_VF dy_v, FASTLN_VF x_v, const FASTLN_VF *gamma_v, float rstd, float mean,
+    FASTLN_VF *dgamma_v)
+{
+    const FASTLN_VF x_hat = x_v * rstd;
+    const FASTLN_VF dx_hat = gamma_v ? dy_v * *gamma_v : dy_v;
+    *dgamma_v = dy_v * x_hat;
+    return (dx_hat - x_hat * mean) * rstd;
+}
+
 /* The float write pass over the n_vectors * VF_LANES columns at i of n_rows rows, all of which
  * rms_backward_in_floats takes: dx = (dx_hat - x_hat * mean) * rstd in float, each product
  * rounded once, dy * x_hat widened into the double accumulators (streaming as the double). */
@@ -1000,11 +1013,10 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
         FASTLN_UNROLL
         for (int v = 0; v < n_vectors; v++) {
             const int64_t column = i + v * FASTLN_VF_LANES, at = r * stride + column;
-            const FASTLN_VF dy_v = FASTLN_NAME(load_c)(dy + at);
-            const FASTLN_VF x_hat = FASTLN_NAME(load_c)(x + at) * rstd[r];
-            const FASTLN_VF dx_hat = gamma ? dy_v * gamma_v[v] : dy_v;
-            const FASTLN_VF dgamma_v = dy_v * x_hat;
-            FASTLN_NAME(store_c_to)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], stream_dx);
+            FASTLN_VF dgamma_v;
+            FASTLN_NAME(store_c_to)(dx + at, FASTLN_NAME(rms_backward_dx_float_of)(
+                FASTLN_NAME(load_c)(dy + at), FASTLN_NAME(load_c)(x + at),
+                gamma ? &gamma_v[v] : NULL, rstd[r], mean[r], &dgamma_v), stream_dx);
             dgamma[v][0] += FASTLN_ISA(widen_low)(dgamma_v);
             dgamma[v][1] += FASTLN_ISA(widen_high)(dgamma_v);
         }
@@ -1049,11 +1061,10 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
                                         : (FASTLN_VF){0};
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;
-            const FASTLN_VF dy_v = FASTLN_NAME(load_c_first)(dy + at, n);
-            const FASTLN_VF x_hat = FASTLN_NAME(load_c_first)(x + at, n) * rstd[r];
-            const FASTLN_VF dx_hat = gamma ? dy_v * gamma_v : dy_v;
-            const FASTLN_VF dgamma_v = dy_v * x_hat;
-            FASTLN_NAME(store_c_first)(dx + at, (dx_hat - x_hat * mean[r]) * rstd[r], n);
+            FASTLN_VF dgamma_v;
+            FASTLN_NAME(store_c_first)(dx + at, FASTLN_NAME(rms_backward_dx_float_of)(
+                FASTLN_NAME(load_c_first)(dy + at, n), FASTLN_NAME(load_c_first)(x + at, n),
+                gamma ? &gamma_v : NULL, rstd[r], mean[r], &dgamma_v), n);
             dgamma_low += FASTLN_ISA(widen_low)(dgamma_v);
             dgamma_high += FASTLN_ISA(widen_high)(dgamma_v);
         }

@@ -213,13 +213,12 @@ FASTLN_INLINE void FASTLN_NAME(store_wide_to)(FASTLN_T *p, FASTLN_VD low, FASTLN
         FASTLN_NAME(store_wide)(p, low, high);
         return;
     }
+    /* what store_wide stores, each vector through stream_c */
 #if FASTLN_COMPUTE_F32
-    FASTLN_T out[FASTLN_VF_LANES];
-    FASTLN_NAME(store_wide)(out, low, high);
-    FASTLN_ISA(stream_bytes)(p, out, sizeof out);
+    FASTLN_NAME(stream_c)(p, FASTLN_ISA(narrow_pair)(low, high));
 #else
-    FASTLN_ISA(stream_f64)(p, low);
-    FASTLN_ISA(stream_f64)(p + FASTLN_VD_LANES, high);
+    FASTLN_NAME(stream_c)(p, low);
+    FASTLN_NAME(stream_c)(p + FASTLN_VD_LANES, high);
 #endif
 }
 
