@@ -615,6 +615,61 @@ FASTLN_INLINE void FASTLN_NAME(gn_write)(const FASTLN_T *x, FASTLN_T *y, int64_t
     FASTLN_NAME(gn_write_double)(x, y, n, constants, stream_y);
 }
 
+#if FASTLN_COMPUTE_F32
+/* Values [start, end) of a channels-first group's run whose channels are shorter than a vector
+ * (a few spatial positions, or one: (N, C) input), the float32-compute types: a chunk at a
+ * time, each value's channel constants (rounded to float as gn_write rounds them) laid out
+ * beside it, then gn_write_float's lane arithmetic a vector at a time - the same bits. A call
+ * of gn_write per channel cost several times the channel's own work. 0, nothing written, when
+ * a channel's scale needs the double pass. */
+FASTLN_INLINE int FASTLN_NAME(gn_write_short_channels)(const FASTLN_T *x, FASTLN_T *y,
+                                                      int64_t start, int64_t end,
+                                                      int64_t n_spatial, int64_t first_channel,
+                                                      const fastln_ln_stats *stats,
+                                                      double x_hat_scale, const FASTLN_P *gamma,
+                                                      const FASTLN_P *beta)
+{
+    enum { CHUNK = 256 };
+    const int64_t first_local = start / n_spatial, end_local = (end - 1) / n_spatial + 1;
+    for (int64_t local = first_local; local < end_local; local++)
+        if (!FASTLN_NAME(gn_float_scale)(FASTLN_NAME(gn_channel_of)(
+                stats, x_hat_scale, gamma, beta, first_channel + local).scale))
+            return 0;
+    const double mean = stats->shift + stats->mean_shifted;
+    const float mean_head = (float)mean;
+    const float mean_tail = (float)((stats->shift - (double)mean_head) + stats->mean_shifted);
+    float scale[CHUNK], offset[CHUNK];
+    int64_t local = first_local - 1, left = first_local * n_spatial - start; /* <= 0: load */
+    float channel_scale = 0.0f, channel_offset = 0.0f;
+    for (int64_t at = start; at < end; at += CHUNK) {
+        const int64_t n = fastln_min(CHUNK, end - at);
+        for (int64_t k = 0; k < n; k++, left--) {
+            if (left <= 0) {
+                const FASTLN_NAME(gn_channel) constants = FASTLN_NAME(gn_channel_of)(
+                    stats, x_hat_scale, gamma, beta, first_channel + ++local);
+                channel_scale = (float)constants.scale;
+                channel_offset = (float)constants.offset;
+                left += n_spatial;
+            }
+            scale[k] = channel_scale;
+            offset[k] = channel_offset;
+        }
+        int64_t k = 0;
+        for (; k + FASTLN_VF_LANES <= n; k += FASTLN_VF_LANES) {
+            const FASTLN_VF out = ((FASTLN_NAME(load_c)(x + at + k) - mean_head) - mean_tail)
+                                      * FASTLN_ISA(load_f32)(scale + k)
+                                  + FASTLN_ISA(load_f32)(offset + k);
+            FASTLN_NAME(store_c)(y + at + k, out);
+        }
+        for (; k < n; k++)
+            y[at + k] = FASTLN_NAME(from_compute)(
+                ((FASTLN_NAME(to_compute)(x[at + k]) - mean_head) - mean_tail) * scale[k]
+                + offset[k]);
+    }
+    return 1;
+}
+#endif
+
 /* Values [start, end) of a channels-first group's run (y likewise), cut at its channels'
  * boundaries (n_spatial values each, the first the group's channel first_channel). */
 FASTLN_INLINE void FASTLN_NAME(gn_write_run)(const FASTLN_T *x, FASTLN_T *y, int64_t start,
@@ -623,6 +678,12 @@ FASTLN_INLINE void FASTLN_NAME(gn_write_run)(const FASTLN_T *x, FASTLN_T *y, int
                                              double x_hat_scale, const FASTLN_P *gamma,
                                              const FASTLN_P *beta, int streaming)
 {
+#if FASTLN_COMPUTE_F32
+    if (n_spatial < FASTLN_VF_LANES
+        && FASTLN_NAME(gn_write_short_channels)(x, y, start, end, n_spatial, first_channel,
+                                                stats, x_hat_scale, gamma, beta))
+        return;
+#endif
     while (start < end) {
         const int64_t local = start / n_spatial;
         const int64_t stop = fastln_min((local + 1) * n_spatial, end);

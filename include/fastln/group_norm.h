@@ -77,9 +77,13 @@ static inline int64_t fastln_gn_partials(const fastln_gn_call *call, int backwar
     return fastln_gn_piece_tasks(call, backward) * per_task;
 }
 
-static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
+static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call, int backward)
 {
-    return FASTLN_GN_CHANNEL_FIELDS * call->n_samples * call->n_channels;
+    /* Channels first, the forward writes from its groups' statistics and the backward keeps
+     * only the dgamma and dbeta terms: no more to allocate (and zero) for a call with many
+     * channels. */
+    const int64_t fields = call->channels_last ? FASTLN_GN_CHANNEL_FIELDS : backward ? 2 : 0;
+    return fields * call->n_samples * call->n_channels;
 }
 
 /* The forward's channels-last float constants (head, tail, scale, offset per (sample,

@@ -154,7 +154,7 @@ cdef extern from "fastln/kernels.h" nogil:
     int64_t fastln_gn_group_size(const fastln_gn_call *call)
     int64_t fastln_gn_piece_tasks(const fastln_gn_call *call, int backward)
     int64_t fastln_gn_partials(const fastln_gn_call *call, int backward)
-    int64_t fastln_gn_channel_scratch(const fastln_gn_call *call)
+    int64_t fastln_gn_channel_scratch(const fastln_gn_call *call, int backward)
     int64_t fastln_gn_group_scratch(const fastln_gn_call *call)
 
 cdef extern from "fastln/pool.h" nogil:
@@ -638,7 +638,7 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     call.eps = eps
     fastln_gn_layout(call, backward)
     call.partials = <double*>calloc(max(fastln_gn_partials(call, backward), 1), sizeof(double))
-    call.channel_scratch = <double*>calloc(max(fastln_gn_channel_scratch(call), 1),
+    call.channel_scratch = <double*>calloc(max(fastln_gn_channel_scratch(call, backward), 1),
                                            sizeof(double))
     call.group_scratch = <double*>calloc(max(fastln_gn_group_scratch(call), 1), sizeof(double))
     call.rare = <int64_t*>calloc(max(n_samples * n_groups, 1), sizeof(int64_t))
