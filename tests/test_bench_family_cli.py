@@ -259,6 +259,57 @@ def test_a_missing_sum_is_reported_not_timed(monkeypatch):
     assert statuses["no-sum"].startswith("mismatch: result 1 differs from fastln's")
 
 
+def _backward_with_error(dx_error, dgamma_error):
+    import fastln
+
+    def prepare(inputs, num_threads, out_buffer):
+        _, cache = fastln.layer_norm_forward(inputs.x, inputs.gamma, inputs.beta)
+
+        def call():
+            dx, dgamma, dbeta = fastln.layer_norm_backward(inputs.dy, cache, inputs.gamma)
+            return dx * (1 + dx_error), dgamma * (1 + dgamma_error), dbeta
+
+        return Prepared(call, result_arrays=tuple)
+
+    return prepare
+
+
+def _run_backward_with(monkeypatch, implementation):
+    operation = OPERATIONS["backward"]
+    patched = dataclasses.replace(operation, implementations=operation.implementations[:1]
+                                  + (implementation,))
+    monkeypatch.setitem(runner.OPERATIONS, "backward", patched)
+    config = runner.BenchConfig(ops=("backward",), shapes=((8, 32),), dtypes=("float32",),
+                                threads=(1,), peers=("numpy",), progress=False,
+                                schedule=timing.Schedule(min_sample_seconds=1e-4,
+                                                         fixed_rounds=2),
+                                copy_buffer_bytes=1 << 20, copy_repeats=1)
+    result = runner.run_benchmark(config)
+    return {record["implementation"]: record for record in result["results"]}, result
+
+
+def test_batch_sums_outside_the_tolerance_are_timed_and_reported(monkeypatch):
+    records, result = _run_backward_with(monkeypatch, Implementation(
+        "rough-dgamma", "numpy", _backward_with_error(0.0, 0.05), uses_threads=False))
+    rough = records["rough-dgamma"]
+    assert rough["status"] == "ok" and rough["median_s"] > 0
+    assert rough["inexact"].startswith("result 1 differs from fastln's by 5.0")
+    assert records["fastln"]["inexact"] is None
+    lines = report.format_table(result).splitlines()
+    at = lines.index("timed, though their sums over the batch are outside the check's tolerance:")
+    assert lines[at + 1].startswith("  rough-dgamma backward 8x32 float32 threads=1: result 1")
+    assert "rough-dgamma backward 8x32 float32 threads=1: result 1" in (
+        report.format_markdown(result))
+
+
+def test_a_wrong_dx_is_still_refused_whatever_the_batch_sums(monkeypatch):
+    records, result = _run_backward_with(monkeypatch, Implementation(
+        "wrong-dx", "numpy", _backward_with_error(0.05, 0.0), uses_threads=False))
+    assert records["wrong-dx"]["status"].startswith("mismatch: result 0 differs from fastln's")
+    assert "median_s" not in records["wrong-dx"]
+    assert "timed, though" not in report.format_table(result)
+
+
 @pytest.mark.skipif(not peers.is_installed("onnxruntime"), reason="onnxruntime is not installed")
 def test_onnxruntime_without_rms_normalization_is_an_error_not_a_crash(monkeypatch):
     monkeypatch.setattr(onnxruntime_peer, "supports_rms_normalization", lambda: False)

@@ -249,9 +249,9 @@ def add_arguments(parser):
     parser.add_argument("--dtypes", type=parse_dtypes, default=DEFAULT_DTYPES,
                         help="comma-separated, from float16, bfloat16 (needs ml_dtypes), "
                              "float32, float64 (default: float32,float64). The half formats run "
-                             "the LayerNorm, RMSNorm and fused add ops: fastln and PyTorch on "
-                             "half arrays, NumPy's naive code in float32 on a converted copy, "
-                             "ONNX Runtime in float16")
+                             "every op: fastln and PyTorch on half arrays (batch norm's "
+                             "statistics in float32), NumPy's naive code in float32 on a "
+                             "converted copy (not batch norm), ONNX Runtime in float16")
     parser.add_argument("--threads", type=parse_threads, default=None,
                         help="thread counts, e.g. 1,2 or 1,max (default: 1,max; --quick: max); "
                              "counts above the usable CPUs are lowered to them")

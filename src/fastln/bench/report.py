@@ -179,6 +179,13 @@ def flagged_lines(report):
             for record in report["results"] if record.get("anomaly")]
 
 
+def inexact_lines(report):
+    """The peers timed although their batch sums (dgamma, dbeta) differ from fastln's."""
+    return [f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
+            f"{record['dtype']} threads={record['threads']}: {record['inexact']}"
+            for record in report["results"] if record.get("inexact")]
+
+
 def _speedup(value):
     return f"{value:.2f}x"
 
@@ -234,6 +241,10 @@ def format_table(report):
     problems = problem_lines(report)
     if problems:
         out += ["", "not measured:"] + [f"  {problem}" for problem in problems]
+    inexact = inexact_lines(report)
+    if inexact:
+        out += ["", "timed, though their sums over the batch are outside the check's tolerance:"]
+        out += [f"  {line}" for line in inexact]
     flagged = flagged_lines(report)
     if flagged:
         out += ["", "flagged:"] + [f"  {line}" for line in flagged]
@@ -255,6 +266,10 @@ def format_markdown(report):
     problems = problem_lines(report)
     if problems:
         out += ["", "Not measured:", ""] + [f"- {problem}" for problem in problems]
+    inexact = inexact_lines(report)
+    if inexact:
+        out += ["", "Timed, though their sums over the batch are outside the check's tolerance:",
+                ""] + [f"- {line}" for line in inexact]
     flagged = flagged_lines(report)
     if flagged:
         out += ["", "Flagged:", ""] + [f"- {line}" for line in flagged]

@@ -111,13 +111,16 @@ class NotMeasured(Exception):
 
 
 def _prepare_and_check(implementation, threads, inputs, operation, dtype, config, reference):
-    """(prepared, calls per sample, seconds per call, reference rows) for one contestant.
+    """(prepared, calls per sample, seconds per call, reference rows, inexact) for one
+    contestant.
 
     The first fastln call's result becomes the reference (its first rows); every later
     contestant, fastln at other thread counts included, must match it. A failing or mismatching
     peer raises NotMeasured; a failing fastln raises its own error, as nothing can be compared
-    without it.
+    without it. Only the operation's batch sums may differ: inexact says how, and the peer is
+    timed all the same.
     """
+    inexact = None
     try:
         prepared = implementation.prepare(inputs, threads or 1, config.out_buffer)
         start = time.perf_counter()
@@ -127,9 +130,15 @@ def _prepare_and_check(implementation, threads, inputs, operation, dtype, config
         if reference is None:
             reference = tuple(check_rows(array) for array in arrays)
         else:
-            mismatch = compare_results(arrays, reference, dtype, operation.tolerance_for(dtype))
+            tolerance = operation.tolerance_for(dtype)
+            checked = [index for index in range(len(arrays))
+                       if index not in operation.batch_sums]
+            mismatch = compare_results(arrays, reference, dtype, tolerance, indices=checked)
             if mismatch:
                 raise NotMeasured(f"mismatch: {mismatch}")
+            if operation.batch_sums:
+                inexact = compare_results(arrays, reference, dtype, tolerance,
+                                          indices=operation.batch_sums)
         del result, arrays
         if prepared.before_sample is not None:
             prepared.before_sample()
@@ -141,7 +150,7 @@ def _prepare_and_check(implementation, threads, inputs, operation, dtype, config
         if implementation.peer == "fastln":
             raise
         raise NotMeasured(f"error: {type(exc).__name__}: {exc}") from exc
-    return prepared, n_calls, seconds_per_call, reference
+    return prepared, n_calls, seconds_per_call, reference, inexact
 
 
 def find_anomalies(samples_by_contestant):
@@ -168,15 +177,17 @@ def find_anomalies(samples_by_contestant):
 def measure_group(operation, inputs, shape, dtype, config, copy_results, idle_stats=None):
     """Records (dicts) for every selected implementation and thread count of one
     (operation, shape, dtype), in table order: by thread count, then implementation."""
-    prepared_calls, measured, warmups, failures = [], [], [], {}
+    prepared_calls, measured, warmups, failures, inexact = [], [], [], {}, {}
     reference, round_seconds = None, 0.0
     for implementation, threads in _contestants(operation, config, dtype):
         try:
-            prepared, n_calls, seconds_per_call, reference = _prepare_and_check(
+            prepared, n_calls, seconds_per_call, reference, difference = _prepare_and_check(
                 implementation, threads, inputs, operation, dtype, config, reference)
         except NotMeasured as exc:
             failures[(implementation.name, threads)] = str(exc)
             continue
+        if difference:
+            inexact[(implementation.name, threads)] = difference
         prepared_calls.append(prepared)
         measured.append((implementation, threads, n_calls))
         warmups.append(config.schedule.warmup_for(seconds_per_call))
@@ -236,6 +247,7 @@ def measure_group(operation, inputs, shape, dtype, config, copy_results, idle_st
                 fastln_speedup_of_medians=stats["median_s"] / fastln_median,
                 remeasured=remeasured,
                 anomaly=anomalies.get(key),
+                inexact=inexact.get(key),
             )
     return records
 

@@ -459,14 +459,16 @@ IMPLEMENTATIONS = {
     "batch_norm_train": (
         Implementation("numpy-naive", "numpy", _naive_batch_norm_train,
                        "x.mean / x.var over the batch axes and broadcasting",
-                       uses_threads=False),
+                       uses_threads=False, dtypes=FULL_DTYPES),
         _inplace(_inplace_batch_norm_train, "NumPy in place into preallocated buffers")),
     "batch_norm_eval": (
         Implementation("numpy-naive", "numpy", _naive_batch_norm_eval,
-                       "broadcasting over the running statistics", uses_threads=False),
+                       "broadcasting over the running statistics", uses_threads=False,
+                       dtypes=FULL_DTYPES),
         _inplace(_inplace_batch_norm_eval, "NumPy in place into a preallocated buffer")),
     "batch_norm_backward": (
         Implementation("numpy-naive", "numpy", _naive_batch_norm_backward,
-                       "broadcasting, one temporary per term", uses_threads=False),
+                       "broadcasting, one temporary per term", uses_threads=False,
+                       dtypes=FULL_DTYPES),
         _inplace(_inplace_batch_norm_backward, "NumPy in place, no full-size scratch")),
 }

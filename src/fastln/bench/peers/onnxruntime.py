@@ -239,8 +239,10 @@ def _batch_norm_eval(inputs, num_threads, out_buffer):
     x = inputs.x
     the_session = session(("batch_norm_eval", x.dtype, x.ndim),
                           lambda: _batch_norm_model(x.dtype, x.ndim, training=False), num_threads)
+    # float16: ONNX Runtime's kernel takes the statistics in float16 too (fastln's are float32).
     feeds = {"x": x, "scale": inputs.gamma, "bias": inputs.beta,
-             "input_mean": inputs.running_mean, "input_var": inputs.running_var}
+             "input_mean": inputs.running_mean.astype(x.dtype, copy=False),
+             "input_var": inputs.running_var.astype(x.dtype, copy=False)}
     return _run(the_session, feeds, {"y": x}, num_threads, out_buffer)
 
 

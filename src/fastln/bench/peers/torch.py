@@ -163,9 +163,18 @@ def _add_norm(kind):
     return prepare
 
 
+def _batch_norm_parameters(torch, inputs):
+    """gamma and beta as tensors in the running statistics' dtype: float32 for the half formats,
+    PyTorch's mixed-precision batch norm (it takes the parameters and statistics all in x's dtype
+    or all in float32)."""
+    dtype = inputs.running_mean.dtype
+    return (tensor(torch, array.astype(dtype, copy=False)) for array in (inputs.gamma, inputs.beta))
+
+
 def _batch_norm_train(inputs, num_threads, out_buffer):
     torch = _torch(num_threads)
-    x, gamma, beta = (tensor(torch, array) for array in (inputs.x, inputs.gamma, inputs.beta))
+    x = tensor(torch, inputs.x)
+    gamma, beta = _batch_norm_parameters(torch, inputs)
     running = RunningStatistics(inputs, unbiased_variance=True)
     # Views of running.mean / running.var: torch's in-place updates land in them.
     running_mean, running_var = tensor(torch, running.mean), tensor(torch, running.var)
@@ -180,9 +189,9 @@ def _batch_norm_train(inputs, num_threads, out_buffer):
 
 def _batch_norm_eval(inputs, num_threads, out_buffer):
     torch = _torch(num_threads)
-    x, gamma, beta, running_mean, running_var = (
-        tensor(torch, array) for array in (inputs.x, inputs.gamma, inputs.beta,
-                                           inputs.running_mean, inputs.running_var))
+    x, running_mean, running_var = (
+        tensor(torch, array) for array in (inputs.x, inputs.running_mean, inputs.running_var))
+    gamma, beta = _batch_norm_parameters(torch, inputs)
     batch_norm = torch.nn.functional.batch_norm
 
     def call():
@@ -266,17 +275,15 @@ IMPLEMENTATIONS = {
     "add_rms_norm": _torch_implementation(_add_norm("rms_norm"),
                                           "torch.add, then torch.nn.functional.rms_norm"),
     "batch_norm_train": _torch_implementation(
-        _batch_norm_train, "torch.nn.functional.batch_norm(training=True)", FULL_DTYPES),
+        _batch_norm_train, "torch.nn.functional.batch_norm(training=True)"),
     "batch_norm_eval": _torch_implementation(
-        _batch_norm_eval, "torch.nn.functional.batch_norm(training=False)", FULL_DTYPES),
+        _batch_norm_eval, "torch.nn.functional.batch_norm(training=False)"),
     "batch_norm_backward": _torch_implementation(
-        _batch_norm_backward, "aten.native_batch_norm_backward (no autograd)", FULL_DTYPES),
-    "group_norm": _torch_implementation(_group_norm(False), "torch.nn.functional.group_norm",
-                                        FULL_DTYPES),
+        _batch_norm_backward, "aten.native_batch_norm_backward (no autograd)"),
+    "group_norm": _torch_implementation(_group_norm(False), "torch.nn.functional.group_norm"),
     "group_norm_last": _torch_implementation(
-        _group_norm(True), "torch.nn.functional.group_norm, torch.channels_last", FULL_DTYPES),
+        _group_norm(True), "torch.nn.functional.group_norm, torch.channels_last"),
     "group_norm_backward": _torch_implementation(
-        _group_norm_backward, "autograd.grad of F.group_norm", FULL_DTYPES),
-    "instance_norm": _torch_implementation(_instance_norm, "torch.nn.functional.instance_norm",
-                                           FULL_DTYPES),
+        _group_norm_backward, "autograd.grad of F.group_norm"),
+    "instance_norm": _torch_implementation(_instance_norm, "torch.nn.functional.instance_norm"),
 }
