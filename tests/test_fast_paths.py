@@ -614,6 +614,30 @@ def test_half_precision_gamma_inside_out(monkeypatch, dtype):
     assert_same_result(fast.result, separate.result)
 
 
+@pytest.mark.parametrize("dtype", _half_dtypes())
+@pytest.mark.parametrize("layout", ("first", "last"))
+@pytest.mark.parametrize("op", ("batch_norm", "group_norm", "instance_norm"))
+def test_per_channel_parameters_in_x_format_take_the_fast_path(monkeypatch, op, layout, dtype):
+    """BatchNorm, GroupNorm and InstanceNorm with gamma and beta in x's own half format: the
+    fast path too (the recogniser widens them to float32, exactly), the general path's bits,
+    forward and backward."""
+    fastln.layer_norm(np.zeros((1, 4), dtype))  # the general path meets the dtype
+    shape, channel_axis = GN_LAYOUTS[layout]
+
+    def call(d):
+        x, dy = d["x"].astype(dtype), d["dy"].astype(dtype)
+        gamma, beta = (d[name][:x.shape[channel_axis]].astype(dtype) for name in ("gamma", "beta"))
+        if op == "batch_norm":
+            y, cache = fastln.batch_norm_forward(x, gamma, beta, training=True,
+                                                 axis=channel_axis)
+            return y, cache, fastln.batch_norm_backward(dy, cache, gamma)
+        groups = (4,) if op == "group_norm" else ()
+        y, cache = getattr(fastln, op + "_forward")(x, *groups, gamma, beta,
+                                                    channel_axis=channel_axis)
+        return y, cache, getattr(fastln, op + "_backward")(dy, cache, gamma)
+    assert_fast_is_general(call, shape, monkeypatch)
+
+
 def _backward(op, forward_inputs=None, dy=None, gamma=False, tamper=None, **kwargs):
     """A call: forward (with forward_inputs applied to d), then backward; tamper edits the
     cache, dy edits dy, gamma=True passes gamma (or a function of it)."""

@@ -962,12 +962,12 @@ cdef inline object _new_column_sums(cnp.ndarray x, int typenum):
     return cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(x) + cnp.PyArray_NDIM(x) - 1, typenum, 0)
 
 
-cdef inline object _as_param(object value, _FastRows *rows):
-    """gamma, beta or bias of a half-precision x given in x's own format (as a model in float16
-    or bfloat16 holds its weights): the float32 the kernels take. Any other value as it is, for
-    the recogniser's own tests."""
+cdef inline object _as_param(object value, _FastRows *rows, Py_ssize_t n):
+    """gamma, beta or bias (n values) of a half-precision x given in x's own format (as a model
+    in float16 or bfloat16 holds its weights): the float32 the kernels take. Any other value as
+    it is, for the recogniser's own tests."""
     if ((rows.storage != FASTLN_FLOAT16 and rows.storage != FASTLN_BFLOAT16) or value is None
-            or not _is_param(value, rows.typenum, rows.n_cols)):
+            or not _is_param(value, rows.typenum, n)):
         return value
     cdef cnp.ndarray widened = cnp.PyArray_EMPTY(1, cnp.PyArray_DIMS(<cnp.ndarray>value),
                                                  cnp.NPY_FLOAT32, 0)
@@ -1003,7 +1003,8 @@ def row_norm_forward_fast(int op, object x, object residual, object gamma, objec
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    gamma, beta, bias = _as_param(gamma, &rows), _as_param(beta, &rows), _as_param(bias, &rows)
+    gamma, beta = _as_param(gamma, &rows, rows.n_cols), _as_param(beta, &rows, rows.n_cols)
+    bias = _as_param(bias, &rows, rows.n_cols)
     cdef bint fused = op == FASTLN_ADD_LAYER_NORM_FORWARD or op == FASTLN_ADD_RMS_NORM_FORWARD
     cdef bint has_mean = op == FASTLN_LAYER_NORM_FORWARD or op == FASTLN_ADD_LAYER_NORM_FORWARD
     if (not _is_last_axis(axis, rows.ndim) or not _is_fast_eps(eps)
@@ -1058,7 +1059,7 @@ def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rs
     if not _fast_rows(x, num_threads, &rows):
         return None
     cdef cnp.ndarray x_array = <cnp.ndarray>x
-    gamma = _as_param(gamma, &rows)
+    gamma = _as_param(gamma, &rows, rows.n_cols)
     # A cache's axis is non-negative: -1 there is a forged cache, for the general path to refuse.
     if (type(axis) is not int or axis != rows.ndim - 1
             or not _is_kernel_array(dy, rows.typenum) or not _same_shape(<cnp.ndarray>dy, x_array)
@@ -1172,7 +1173,7 @@ def row_norm_forward_tensor(int op, object x, Py_ssize_t width, object gamma, ob
         return None
     if not _fast_tensor_rows(x, num_threads, &rows, dims, &address) or rows.n_cols != width:
         return None
-    gamma, beta = _as_param(gamma, &rows), _as_param(beta, &rows)
+    gamma, beta = _as_param(gamma, &rows, rows.n_cols), _as_param(beta, &rows, rows.n_cols)
     if (not _is_fast_eps(eps) or not _is_param(gamma, rows.param_typenum, rows.n_cols)
             or not _is_param(beta, rows.param_typenum, rows.n_cols)):
         return None
@@ -1260,6 +1261,7 @@ def batch_norm_forward_fast(object x, object gamma, object beta, object running_
     cdef Py_ssize_t n_outer, n_features, n_inner
     _feature_layout(x_array, feature_axis, &n_outer, &n_features, &n_inner)
     cdef bint train = training
+    gamma, beta = _as_param(gamma, &rows, n_features), _as_param(beta, &rows, n_features)
     if (not _is_param(gamma, rows.param_typenum, n_features)
             or not _is_param(beta, rows.param_typenum, n_features)
             or (running_mean is None) != (running_var is None)
@@ -1308,6 +1310,7 @@ def batch_norm_backward_fast(object dy, object x, object mean, object rstd, obje
         return None
     cdef Py_ssize_t n_outer, n_features, n_inner
     _feature_layout(x_array, <Py_ssize_t>axis, &n_outer, &n_features, &n_inner)
+    gamma = _as_param(gamma, &rows, n_features)
     if (mean is None or rstd is None or not _is_param(mean, cnp.NPY_FLOAT64, n_features)
             or not _is_param(rstd, cnp.NPY_FLOAT64, n_features)
             or not _is_param(gamma, rows.param_typenum, n_features)):
@@ -1366,6 +1369,7 @@ def group_norm_forward_fast(object x, object num_groups, object gamma, object be
     if not _group_layout_of(x_array, rows.ndim, axis, num_groups, &n_samples, &n_channels,
                             &n_groups, &n_spatial):
         return None
+    gamma, beta = _as_param(gamma, &rows, n_channels), _as_param(beta, &rows, n_channels)
     if (not _is_param(gamma, rows.param_typenum, n_channels)
             or not _is_param(beta, rows.param_typenum, n_channels)):
         return None
@@ -1412,6 +1416,7 @@ def group_norm_backward_fast(object dy, object x, object mean, object rstd, obje
                              &n_channels, &n_groups, &n_spatial)
             or (one_group_per_channel and n_groups != n_channels)):
         return None
+    gamma = _as_param(gamma, &rows, n_channels)
     if (not _is_group_stats(mean, rows.param_typenum, n_samples, n_groups)
             or not _is_group_stats(rstd, rows.param_typenum, n_samples, n_groups)
             or not _is_param(gamma, rows.param_typenum, n_channels)):
