@@ -110,6 +110,20 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_float)(
         FASTLN_NAME(ln_write_float_vector)(x, gamma, beta, y, i, mean_head, mean_tail, rstd,
                                            streaming);
     if (streaming) fastln_streaming_fence();
+#if FASTLN_MASKED
+    /* The last elements (and the few before y's first line, a call of their own) in one masked
+     * vector instead of one at a time: each lane's arithmetic is the element's, so the bits are
+     * the same (docs/performance.md, "A row's last columns in one masked vector"). */
+    if (i < n) {
+        const int64_t left = n - i;
+        FASTLN_VF out =
+            ((FASTLN_NAME(load_c_first)(x + i, left) - mean_head) - mean_tail) * rstd;
+        if (gamma) out *= FASTLN_ISA(load_f32_first)(gamma + i, left);
+        if (beta) out += FASTLN_ISA(load_f32_first)(beta + i, left);
+        FASTLN_NAME(store_c_first)(y + i, out, left);
+        return;
+    }
+#endif
     for (; i < n; i++) {
         float out = ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * rstd;
         if (gamma) out *= gamma[i];
@@ -267,6 +281,16 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
         for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
             FASTLN_NAME(rms_write_float_vector)(x, gamma, y, i, rstd, streaming);
         if (streaming) fastln_streaming_fence();
+#if FASTLN_MASKED
+        /* The last elements in one masked vector, as ln_write_float. */
+        if (i < n) {
+            const int64_t left = n - i;
+            FASTLN_VF out = FASTLN_NAME(load_c_first)(x + i, left) * rstd;
+            if (gamma) out *= FASTLN_ISA(load_f32_first)(gamma + i, left);
+            FASTLN_NAME(store_c_first)(y + i, out, left);
+            return;
+        }
+#endif
         for (; i < n; i++) {
             float out = FASTLN_NAME(to_compute)(x[i]) * rstd;
             if (gamma) out *= gamma[i];
