@@ -210,6 +210,13 @@ def test_every_implementation_matches_fastln_after_many_calls(op, dtype, out_buf
 
 def _run_with(monkeypatch, op, extra_implementations, shape=(8, 32), dtype="float64",
               peer_names=("numpy",)):
+    """{implementation: status} of a run of op with fastln and extra_implementations only."""
+    result = _report_with(monkeypatch, op, extra_implementations, shape, dtype, peer_names)
+    return {record["implementation"]: record["status"] for record in result["results"]}
+
+
+def _report_with(monkeypatch, op, extra_implementations, shape=(8, 32), dtype="float64",
+                 peer_names=("numpy",)):
     operation = OPERATIONS[op]
     patched = dataclasses.replace(operation, implementations=operation.implementations[:1]
                                   + tuple(extra_implementations))
@@ -219,8 +226,7 @@ def _run_with(monkeypatch, op, extra_implementations, shape=(8, 32), dtype="floa
                                 schedule=timing.Schedule(min_sample_seconds=1e-4,
                                                          fixed_rounds=2),
                                 copy_buffer_bytes=1 << 20, copy_repeats=1)
-    result = runner.run_benchmark(config)
-    return {record["implementation"]: record["status"] for record in result["results"]}
+    return runner.run_benchmark(config)
 
 
 def test_wrong_running_statistics_are_reported_not_timed(monkeypatch):
@@ -275,16 +281,7 @@ def _backward_with_error(dx_error, dgamma_error):
 
 
 def _run_backward_with(monkeypatch, implementation):
-    operation = OPERATIONS["backward"]
-    patched = dataclasses.replace(operation, implementations=operation.implementations[:1]
-                                  + (implementation,))
-    monkeypatch.setitem(runner.OPERATIONS, "backward", patched)
-    config = runner.BenchConfig(ops=("backward",), shapes=((8, 32),), dtypes=("float32",),
-                                threads=(1,), peers=("numpy",), progress=False,
-                                schedule=timing.Schedule(min_sample_seconds=1e-4,
-                                                         fixed_rounds=2),
-                                copy_buffer_bytes=1 << 20, copy_repeats=1)
-    result = runner.run_benchmark(config)
+    result = _report_with(monkeypatch, "backward", [implementation], dtype="float32")
     return {record["implementation"]: record for record in result["results"]}, result
 
 

@@ -20,16 +20,22 @@ INSTALLED = ("numpy",) + tuple(peer for peer in ("torch", "onnxruntime")
                                if peers.is_installed(peer))
 
 
-@pytest.fixture(scope="module")
-def half_run(tmp_path_factory):
+def _run_half(tmp_path_factory, ops, shape):
+    """status, stdout, stderr and the JSON report of `fastln bench` on ops at shape, in float16
+    and bfloat16, with every installed peer."""
     path = tmp_path_factory.mktemp("bench_half") / "half.json"
     argv = list(TINY)
     argv[argv.index("--dtypes") + 1] = "float16,bfloat16"
     argv[argv.index("--peers") + 1] = ",".join(INSTALLED)
-    argv[argv.index("--shapes") + 1] = "4x32"
-    argv += ["--ops", ",".join(HALF_OPS), "--json", str(path)]
+    argv[argv.index("--shapes") + 1] = shape
+    argv += ["--ops", ",".join(ops), "--json", str(path)]
     status, stdout, stderr = run_main(argv)
     return status, stdout, stderr, json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def half_run(tmp_path_factory):
+    return _run_half(tmp_path_factory, HALF_OPS, "4x32")
 
 
 CHANNEL_OPS = ("batch_norm_train", "batch_norm_eval", "batch_norm_backward", "group_norm",
@@ -38,14 +44,7 @@ CHANNEL_OPS = ("batch_norm_train", "batch_norm_eval", "batch_norm_backward", "gr
 
 @pytest.fixture(scope="module")
 def channel_run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench_half") / "channels.json"
-    argv = list(TINY)
-    argv[argv.index("--dtypes") + 1] = "float16,bfloat16"
-    argv[argv.index("--peers") + 1] = ",".join(INSTALLED)
-    argv[argv.index("--shapes") + 1] = "2x32x3x3"
-    argv += ["--ops", ",".join(CHANNEL_OPS), "--json", str(path)]
-    status, stdout, stderr = run_main(argv)
-    return status, stdout, stderr, json.loads(path.read_text())
+    return _run_half(tmp_path_factory, CHANNEL_OPS, "2x32x3x3")
 
 
 def test_half_formats_run_every_row_op(half_run):
