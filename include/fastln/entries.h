@@ -686,6 +686,11 @@ static void FASTLN_NAME(gn_finish_statistics_task)(const void *opaque, int64_t b
         FASTLN_NAME(gn_keep_statistics)(call, ng, &stats);
         const double x_hat_scale = fastln_gn_x_hat_scale(&stats, call->eps);
         double *constants = call->channel_scratch + n * C;
+#if FASTLN_COMPUTE_F32
+        float mean_tail;
+        const float mean_head =
+            FASTLN_NAME(gn_float_mean)(stats.shift, stats.mean_shifted, &mean_tail);
+#endif
         for (int64_t c = first; c < first + per_group; c++) {
             const FASTLN_NAME(gn_channel) channel = FASTLN_NAME(gn_channel_of)(
                 &stats, x_hat_scale, call->gamma, call->beta, c);
@@ -694,7 +699,8 @@ static void FASTLN_NAME(gn_finish_statistics_task)(const void *opaque, int64_t b
             constants[2 * n_channel_values + c] = channel.scale;
             constants[3 * n_channel_values + c] = channel.offset;
 #if FASTLN_COMPUTE_F32
-            FASTLN_NAME(gn_float_channel)(&channel, fastln_gn_float_constants(call) + n * C + c,
+            FASTLN_NAME(gn_float_channel)(&channel, mean_head, mean_tail,
+                                          fastln_gn_float_constants(call) + n * C + c,
                                           n_channel_values);
 #endif
         }

@@ -600,19 +600,27 @@ FASTLN_INLINE int FASTLN_NAME(gn_float_scale)(double scale)
     return (scale > 1e-30 && scale < 1e30) || scale == 0.0;
 }
 
+/* A group's mean (shift + mean_shifted) as the float write passes take it: a float head and the
+ * float rest, *tail (x - head - tail keeps the mean's digits, as ln_write_float's split). */
+FASTLN_INLINE float FASTLN_NAME(gn_float_mean)(double shift, double mean_shifted, float *tail)
+{
+    const float head = (float)(shift + mean_shifted);
+    *tail = (float)((shift - (double)head) + mean_shifted);
+    return head;
+}
+
 /* A channel's float constants as gn_write rounds them (head, tail, scale, offset, `stride`
- * floats apart); a NaN scale when gn_write would write the channel in double, so that the
- * float apply of the channels-last layout (bn_apply_rows_float) takes each of its elements in
- * double. */
+ * floats apart; mean_head and mean_tail: gn_float_mean of its group, the same for every
+ * channel of the group); a NaN scale when gn_write would write the channel in double, so that
+ * the float apply of the channels-last layout (bn_apply_rows_float) takes each of its elements
+ * in double. */
 FASTLN_INLINE void FASTLN_NAME(gn_float_channel)(const FASTLN_NAME(gn_channel) *constants,
-                                                 float *head, int64_t stride)
+                                                 float mean_head, float mean_tail, float *head,
+                                                 int64_t stride)
 {
     const int in_range = FASTLN_NAME(gn_float_scale)(constants->scale);
-    const double mean = constants->shift + constants->mean_shifted;
-    const float mean_head = (float)mean;
     head[0] = in_range ? mean_head : 0.0f;
-    head[stride] =
-        in_range ? (float)((constants->shift - (double)mean_head) + constants->mean_shifted) : 0.0f;
+    head[stride] = in_range ? mean_tail : 0.0f;
     head[2 * stride] = in_range ? (float)constants->scale : NAN;
     head[3 * stride] = in_range ? (float)constants->offset : 0.0f;
 }
@@ -627,10 +635,9 @@ FASTLN_INLINE void FASTLN_NAME(gn_write)(const FASTLN_T *x, FASTLN_T *y, int64_t
     const int stream_y = streaming && fastln_is_aligned16(y);
 #if FASTLN_COMPUTE_F32
     if (FASTLN_NAME(gn_float_scale)(constants->scale)) {
-        const double mean = constants->shift + constants->mean_shifted;
-        const float mean_head = (float)mean;
-        const float mean_tail =
-            (float)((constants->shift - (double)mean_head) + constants->mean_shifted);
+        float mean_tail;
+        const float mean_head =
+            FASTLN_NAME(gn_float_mean)(constants->shift, constants->mean_shifted, &mean_tail);
         FASTLN_NAME(gn_write_float)(x, y, n, mean_head, mean_tail, (float)constants->scale,
                                     (float)constants->offset, stream_y);
         return;
@@ -659,9 +666,9 @@ FASTLN_INLINE int FASTLN_NAME(gn_write_short_channels)(const FASTLN_T *x, FASTLN
         if (!FASTLN_NAME(gn_float_scale)(FASTLN_NAME(gn_channel_of)(
                 stats, x_hat_scale, gamma, beta, first_channel + local).scale))
             return 0;
-    const double mean = stats->shift + stats->mean_shifted;
-    const float mean_head = (float)mean;
-    const float mean_tail = (float)((stats->shift - (double)mean_head) + stats->mean_shifted);
+    float mean_tail;
+    const float mean_head =
+        FASTLN_NAME(gn_float_mean)(stats->shift, stats->mean_shifted, &mean_tail);
     float scale[CHUNK], offset[CHUNK];
     int64_t local = first_local - 1, left = first_local * n_spatial - start; /* <= 0: load */
     float channel_scale = 0.0f, channel_offset = 0.0f;

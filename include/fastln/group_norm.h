@@ -80,9 +80,10 @@ static inline int64_t fastln_gn_partials(const fastln_gn_call *call, int backwar
 static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call, int backward)
 {
     /* Channels first, the forward writes from its groups' statistics and the backward keeps
-     * only the dgamma and dbeta terms: no more to allocate (and zero) for a call with many
-     * channels. */
-    const int64_t fields = call->channels_last ? FASTLN_GN_CHANNEL_FIELDS : backward ? 2 : 0;
+     * only the dgamma and dbeta terms; channels last, the forward's constants take six of the
+     * fields: no more to allocate (and zero) for a call with many channels. */
+    const int64_t fields = call->channels_last ? (backward ? FASTLN_GN_CHANNEL_FIELDS : 6)
+                                               : (backward ? 2 : 0);
     return fields * call->n_samples * call->n_channels;
 }
 
