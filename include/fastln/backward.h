@@ -1178,6 +1178,41 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
     FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc, 0);
 }
 
+#if FASTLN_MASKED && FASTLN_COMPUTE_F32
+/* run_backward_sums' float slots for a run shorter than a block (a GroupNorm channel of a few
+ * spatial positions), read where it is by masked loads instead of from a padded copy: the
+ * missing lanes load dy = 0 and their d is multiplied by 0, adding +-0 where the copy's dy = 0,
+ * x = mean added 0, so each slot ends as the float run leaves it (all FASTLN_SLOTS slots are one
+ * pass of FASTLN_FLOAT_PASS_VECTORS vectors with AVX-512). */
+FASTLN_INLINE void FASTLN_NAME(run_backward_first)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                   int64_t n, float mean,
+                                                   double dy_slots[FASTLN_SLOTS],
+                                                   double dy_d_slots[FASTLN_SLOTS],
+                                                   double d_slots[FASTLN_SLOTS])
+{
+    /* keep[FASTLN_SLOTS - n + l] is 1 for l < n, else 0 */
+    static const float keep[2 * FASTLN_SLOTS] = {
+        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    FASTLN_VF sum_dy[FASTLN_FLOAT_PASS_VECTORS] = {0}, sum_dy_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
+    FASTLN_VF sum_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
+    FASTLN_UNROLL
+    for (int j = 0; j < FASTLN_FLOAT_PASS_VECTORS; j++) {
+        const int64_t at = j * FASTLN_VF_LANES;
+        const int64_t count = fastln_max(fastln_min(n - at, FASTLN_VF_LANES), 0);
+        const FASTLN_VF dy_v = FASTLN_NAME(load_c_first)(dy + at, count);
+        const FASTLN_VF d = (FASTLN_NAME(load_c_first)(x + at, count) - mean)
+                            * FASTLN_ISA(load_f32)(keep + FASTLN_SLOTS - n + at);
+        sum_dy[j] += dy_v;
+        sum_dy_d[j] += dy_v * d;
+        sum_d[j] += d;
+    }
+    FASTLN_NAME(fold_floats)(sum_dy, dy_slots, 1);
+    FASTLN_NAME(fold_floats)(sum_dy_d, dy_d_slots, 1);
+    FASTLN_NAME(fold_floats)(sum_d, d_slots, 1);
+}
+#endif
+
 /* The three sums over a contiguous run of n values (a GroupNorm channel, a BatchNorm segment),
  * in LayerNorm's slot order and by its backward's first pass (ln_backward_first_pass, without
  * gamma): in float runs for the
@@ -1192,12 +1227,19 @@ FASTLN_OUTLINED void FASTLN_NAME(run_backward_sums)(const FASTLN_T *dy, const FA
      * gamma), by its rule - they stand when the sums are finite and floats_hold - else the
      * double pass below. */
     {
-        FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and a gamma of 1 */
-        const FASTLN_P *last_block =
-            FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
         double dy_slots[FASTLN_SLOTS], dy_d_slots[FASTLN_SLOTS], d_slots[FASTLN_SLOTS];
-        FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, last_block, (float)mean, n, dy_slots,
-                                             dy_d_slots, d_slots);
+#if FASTLN_MASKED
+        if (n < FASTLN_SLOTS) {
+            FASTLN_NAME(run_backward_first)(dy, x, n, (float)mean, dy_slots, dy_d_slots, d_slots);
+        } else
+#endif
+        {
+            FASTLN_P floats_padded[3 * FASTLN_SLOTS]; /* the last block's dy, x, gamma of 1 */
+            const FASTLN_P *last_block =
+                FASTLN_NAME(ln_backward_pad)(dy, x, NULL, mean, n_whole, n, floats_padded);
+            FASTLN_NAME(ln_backward_float_slots)(dy, x, NULL, last_block, (float)mean, n,
+                                                 dy_slots, dy_d_slots, d_slots);
+        }
         sums[0] = fastln_reduce_slots(dy_slots);
         sums[1] = fastln_reduce_slots(dy_d_slots);
         sums[2] = fastln_reduce_slots(d_slots);

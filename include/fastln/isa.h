@@ -283,7 +283,7 @@ FASTLN_INLINE void FASTLN_ISA(store_bfloat16)(uint16_t *p, FASTLN_VF v)
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* The first n (0 <= n < FASTLN_VF_LANES) floats at p as a vector, the other lanes 0, and the
+/* The first n (0 <= n <= FASTLN_VF_LANES) floats at p as a vector, the other lanes 0, and the
  * first n lanes of v stored at p: a row's last few elements in one masked vector instead of
  * one at a time. Masked-off lanes are neither read nor written (nor can they fault). */
 #define FASTLN_MASKED 1
@@ -308,7 +308,7 @@ FASTLN_INLINE void FASTLN_ISA(store_f64_first)(double *p, FASTLN_VD v, int64_t n
     _mm512_mask_storeu_pd(p, (__mmask8)((1u << n) - 1), (__m512d)v);
 }
 
-/* The same for the first n (0 <= n < FASTLN_VF_LANES) 16-bit elements (a half vector's). */
+/* The same for the first n (0 <= n <= FASTLN_VF_LANES) 16-bit elements (a half vector's). */
 FASTLN_INLINE __m256i FASTLN_ISA(load_u16_first)(const uint16_t *p, int64_t n)
 {
     return _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
