@@ -34,8 +34,8 @@
  * bn_stats_rows): a group of 512-feature float32 rows (one feature chunk) fits L1. */
 #define FASTLN_BN_ROW_GROUP 16
 /* The backward's sums read two arrays (dy and x): groups of half as many rows (fastln/backward.h,
- * bn_backward_sums_rows; at 4096x768 float32 groups of 8 took 0.65-0.77x the time of row by row,
- * groups of 16 0.77-0.86x). */
+ * bn_backward_sums_rows; groups of 8 measured faster than 16 and than row by row:
+ * docs/performance.md, "The rows layout's backward sums in registers"). */
 #define FASTLN_BN_BACKWARD_ROW_GROUP 8
 /* The backward's segments (NCHW) sums go in float runs, segment by segment, for segments of
  * this many values or more (fastln/backward.h, bn_backward_sums_segments). */

@@ -551,9 +551,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_stats_rows)(
 /* ln_add_block over a block's first n (< FASTLN_SLOTS) values, read where they are by masked
  * loads instead of from a padded copy: the slots after them add d * 0 = +-0 where the copy's
  * shift added d = 0, which leaves every slot as it was (a slot holds +0, never -0, before its
- * first term). Staged value by value, the partial blocks made a [32,2048,7,7] training
- * forward 1.3x (float32) to 1.6x (float16) slower (docs/performance.md, "BatchNorm's short
- * segments"). */
+ * first term). Staged value by value, the partial blocks set the pace of a training forward
+ * with short segments (docs/performance.md, "BatchNorm's short segments"). */
 FASTLN_INLINE void FASTLN_NAME(ln_add_first)(const FASTLN_T *x, int64_t n, double shift,
                                              FASTLN_VD sum[FASTLN_PASS_VECTORS],
                                              FASTLN_VD sumsq[FASTLN_PASS_VECTORS])
