@@ -1181,19 +1181,15 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
 #if FASTLN_MASKED && FASTLN_COMPUTE_F32
 /* run_backward_sums' float slots for a run shorter than a block (a GroupNorm channel of a few
  * spatial positions), read where it is by masked loads instead of from a padded copy: the
- * missing lanes load dy = 0 and their d is multiplied by 0, adding +-0 where the copy's dy = 0,
- * x = mean added 0, so each slot ends as the float run leaves it (all FASTLN_SLOTS slots are one
- * pass of FASTLN_FLOAT_PASS_VECTORS vectors with AVX-512). */
+ * missing lanes load dy = 0 and get d = +0, where the copy's dy = 0, x = mean gave 0, so each
+ * slot ends as the float run leaves it (all FASTLN_SLOTS slots are one pass of
+ * FASTLN_FLOAT_PASS_VECTORS vectors with AVX-512). */
 FASTLN_INLINE void FASTLN_NAME(run_backward_first)(const FASTLN_T *dy, const FASTLN_T *x,
                                                    int64_t n, float mean,
                                                    double dy_slots[FASTLN_SLOTS],
                                                    double dy_d_slots[FASTLN_SLOTS],
                                                    double d_slots[FASTLN_SLOTS])
 {
-    /* keep[FASTLN_SLOTS - n + l] is 1 for l < n, else 0 */
-    static const float keep[2 * FASTLN_SLOTS] = {
-        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     FASTLN_VF sum_dy[FASTLN_FLOAT_PASS_VECTORS] = {0}, sum_dy_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
     FASTLN_VF sum_d[FASTLN_FLOAT_PASS_VECTORS] = {0};
     FASTLN_UNROLL
@@ -1201,8 +1197,8 @@ FASTLN_INLINE void FASTLN_NAME(run_backward_first)(const FASTLN_T *dy, const FAS
         const int64_t at = j * FASTLN_VF_LANES;
         const int64_t count = fastln_max(fastln_min(n - at, FASTLN_VF_LANES), 0);
         const FASTLN_VF dy_v = FASTLN_NAME(load_c_first)(dy + at, count);
-        const FASTLN_VF d = (FASTLN_NAME(load_c_first)(x + at, count) - mean)
-                            * FASTLN_ISA(load_f32)(keep + FASTLN_SLOTS - n + at);
+        const FASTLN_VF d =
+            FASTLN_ISA(keep_first_f32)(FASTLN_NAME(load_c_first)(x + at, count) - mean, count);
         sum_dy[j] += dy_v;
         sum_dy_d[j] += dy_v * d;
         sum_d[j] += d;

@@ -40,6 +40,8 @@
  * the backward's dgamma and dbeta terms and, channels last, the six write constants of
  * fastln_gn_backward_apply_rows. */
 #define FASTLN_GN_CHANNEL_FIELDS 8
+/* Of those, the channels-last forward's: four doubles, then four floats (two doubles' room). */
+#define FASTLN_GN_FORWARD_CHANNEL_FIELDS 6
 
 static inline int64_t fastln_gn_group_size(const fastln_gn_call *call)
 {
@@ -80,11 +82,12 @@ static inline int64_t fastln_gn_partials(const fastln_gn_call *call, int backwar
 static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call, int backward)
 {
     /* Channels first, the forward writes from its groups' statistics and the backward keeps
-     * only the dgamma and dbeta terms; channels last, the forward's constants take six of the
-     * fields: no more to allocate (and zero) for a call with many channels. */
-    const int64_t fields = call->channels_last ? (backward ? FASTLN_GN_CHANNEL_FIELDS : 6)
-                                               : (backward ? 2 : 0);
-    return fields * call->n_samples * call->n_channels;
+     * only the dgamma and dbeta terms; channels last, the forward's constants take
+     * FASTLN_GN_FORWARD_CHANNEL_FIELDS: no more to allocate (and zero) for many channels. */
+    if (call->channels_last)
+        return (backward ? FASTLN_GN_CHANNEL_FIELDS : FASTLN_GN_FORWARD_CHANNEL_FIELDS)
+               * call->n_samples * call->n_channels;
+    return (backward ? 2 : 0) * call->n_samples * call->n_channels;
 }
 
 /* The forward's channels-last float constants (head, tail, scale, offset per (sample,

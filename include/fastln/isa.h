@@ -308,6 +308,18 @@ FASTLN_INLINE void FASTLN_ISA(store_f64_first)(double *p, FASTLN_VD v, int64_t n
     _mm512_mask_storeu_pd(p, (__mmask8)((1u << n) - 1), (__m512d)v);
 }
 
+/* v with its lanes from n on (0 <= n <= the vector's lanes) set to +0: a partial block's
+ * missing values made to add +0 to their sums. */
+FASTLN_INLINE FASTLN_VF FASTLN_ISA(keep_first_f32)(FASTLN_VF v, int64_t n)
+{
+    return (FASTLN_VF)_mm512_maskz_mov_ps((__mmask16)((1u << n) - 1), (__m512)v);
+}
+
+FASTLN_INLINE FASTLN_VD FASTLN_ISA(keep_first_f64)(FASTLN_VD v, int64_t n)
+{
+    return (FASTLN_VD)_mm512_maskz_mov_pd((__mmask8)((1u << n) - 1), (__m512d)v);
+}
+
 /* The same for the first n (0 <= n <= FASTLN_VF_LANES) 16-bit elements (a half vector's). */
 FASTLN_INLINE __m256i FASTLN_ISA(load_u16_first)(const uint16_t *p, int64_t n)
 {

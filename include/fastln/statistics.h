@@ -549,27 +549,23 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_stats_rows)(
 
 #if FASTLN_MASKED && FASTLN_COMPUTE_F32
 /* ln_add_block over a block's first n (< FASTLN_SLOTS) values, read where they are by masked
- * loads instead of from a padded copy: the slots after them add d * 0 = +-0 where the copy's
- * shift added d = 0, which leaves every slot as it was (a slot holds +0, never -0, before its
- * first term). Staged value by value, the partial blocks set the pace of a training forward
- * with short segments (docs/performance.md, "BatchNorm's short segments"). */
+ * loads instead of from a padded copy: the lanes after them are set to d = +0 where the copy's
+ * shift gave d = 0, which leaves every slot as it was. Staged value by value, the partial blocks
+ * set the pace of a training forward with short segments (docs/performance.md, "BatchNorm's
+ * short segments"). */
 FASTLN_INLINE void FASTLN_NAME(ln_add_first)(const FASTLN_T *x, int64_t n, double shift,
                                              FASTLN_VD sum[FASTLN_PASS_VECTORS],
                                              FASTLN_VD sumsq[FASTLN_PASS_VECTORS])
 {
-    /* keep[FASTLN_SLOTS - n + l] is 1 for l < n, else 0 */
-    static const double keep[2 * FASTLN_SLOTS] = {
-        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     FASTLN_UNROLL
     for (int j = 0; j < FASTLN_PASS_VECTORS / 2; j++) {
         const int64_t at = j * FASTLN_VF_LANES;
         const int64_t count = fastln_max(fastln_min(n - at, FASTLN_VF_LANES), 0);
         const FASTLN_VF v = FASTLN_NAME(load_c_first)(x + at, count);
-        FASTLN_VD low = FASTLN_ISA(widen_low)(v), high = FASTLN_ISA(widen_high)(v);
-        low = (low - shift) * FASTLN_ISA(load_f64)(keep + FASTLN_SLOTS - n + at);
-        high = (high - shift) * FASTLN_ISA(load_f64)(keep + FASTLN_SLOTS - n + at
-                                                     + FASTLN_VD_LANES);
+        const FASTLN_VD low = FASTLN_ISA(keep_first_f64)(FASTLN_ISA(widen_low)(v) - shift,
+                                                         fastln_min(count, FASTLN_VD_LANES));
+        const FASTLN_VD high = FASTLN_ISA(keep_first_f64)(
+            FASTLN_ISA(widen_high)(v) - shift, fastln_max(count - FASTLN_VD_LANES, 0));
         sum[2 * j] += low;
         sumsq[2 * j] += low * low;
         sum[2 * j + 1] += high;

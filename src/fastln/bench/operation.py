@@ -183,7 +183,6 @@ class Operation:
         times x's bytes, for the effective bandwidth.
     memory_factor: peak memory of a case in units of one input-sized array (inputs, outputs,
         NumPy's temporaries), so that cases too big for this machine are skipped, not swapped.
-    dtypes: the --dtypes fastln computes it in; other dtypes are skipped with a reason.
     tolerance: {dtype: relative tolerance} of the check against fastln's result (CHECK_TOLERANCE
         where not given).
     batch_sums: the indices of the results that are sums over the batch (a backward's dgamma and
@@ -201,7 +200,6 @@ class Operation:
     memory_factor: float
     fastln: Callable[[Inputs, int, bool], Prepared] = None
     fastln_call: str = ""
-    dtypes: Tuple[str, ...] = FULL_DTYPES + HALF_DTYPES
     tolerance: dict = field(default_factory=dict)
     batch_sums: Tuple[int, ...] = ()
     implementations: Tuple[Implementation, ...] = field(default_factory=tuple)

@@ -35,7 +35,6 @@ from fastln._config import build_info
 from fastln.bench.operation import (
     EPS,
     FEATURE_AXIS,
-    FULL_DTYPES,
     MOMENTUM,
     OUTPUT_NEW,
     OUTPUT_NO_OUT,

@@ -163,9 +163,13 @@ def wait_policy(report):
     return parts
 
 
+def _case(record):
+    return (f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
+            f"{record['dtype']} threads={record['threads']}")
+
+
 def problem_lines(report):
-    lines = [f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
-             f"{record['dtype']} threads={record['threads']}: {record['status']}"
+    lines = [f"{_case(record)}: {record['status']}"
              for record in report["results"] if record["status"] != "ok"]
     lines += [f"skipped {entry['op']} {_shape(entry['shape'])} {entry['dtype']}: "
               f"{entry['reason']}" for entry in report["skipped"]]
@@ -173,17 +177,24 @@ def problem_lines(report):
 
 
 def flagged_lines(report):
-    return [f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
-            f"{record['dtype']} threads={record['threads']}: {record['anomaly']} (measured "
-            f"{record['remeasured'] + 1} times)"
+    return [f"{_case(record)}: {record['anomaly']} (measured {record['remeasured'] + 1} times)"
             for record in report["results"] if record.get("anomaly")]
 
 
 def inexact_lines(report):
     """The peers timed although their batch sums (dgamma, dbeta) differ from fastln's."""
-    return [f"{record['implementation']} {record['op']} {_shape(record['shape'])} "
-            f"{record['dtype']} threads={record['threads']}: {record['inexact']}"
+    return [f"{_case(record)}: {record['inexact']}"
             for record in report["results"] if record.get("inexact")]
+
+
+def closing_sections(report):
+    """(title, lines) of the lists after the table, those that have lines."""
+    sections = (
+        ("not measured", problem_lines(report)),
+        ("timed, though their sums over the batch are outside the check's tolerance",
+         inexact_lines(report)),
+        ("flagged", flagged_lines(report)))
+    return [(title, lines) for title, lines in sections if lines]
 
 
 def _speedup(value):
@@ -238,16 +249,8 @@ def format_table(report):
             out.append("")
         out.append(line(row))
     out += [""] + [f"* {note}" for note in NOTES]
-    problems = problem_lines(report)
-    if problems:
-        out += ["", "not measured:"] + [f"  {problem}" for problem in problems]
-    inexact = inexact_lines(report)
-    if inexact:
-        out += ["", "timed, though their sums over the batch are outside the check's tolerance:"]
-        out += [f"  {line}" for line in inexact]
-    flagged = flagged_lines(report)
-    if flagged:
-        out += ["", "flagged:"] + [f"  {line}" for line in flagged]
+    for title, lines in closing_sections(report):
+        out += ["", f"{title}:"] + [f"  {line}" for line in lines]
     summary = summary_lines(report)
     if summary:
         out += [""] + summary
@@ -263,16 +266,8 @@ def format_markdown(report):
             + "|"]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     out += [""] + [f"- {note}" for note in NOTES]
-    problems = problem_lines(report)
-    if problems:
-        out += ["", "Not measured:", ""] + [f"- {problem}" for problem in problems]
-    inexact = inexact_lines(report)
-    if inexact:
-        out += ["", "Timed, though their sums over the batch are outside the check's tolerance:",
-                ""] + [f"- {line}" for line in inexact]
-    flagged = flagged_lines(report)
-    if flagged:
-        out += ["", "Flagged:", ""] + [f"- {line}" for line in flagged]
+    for title, lines in closing_sections(report):
+        out += ["", f"{title[0].upper()}{title[1:]}:", ""] + [f"- {line}" for line in lines]
     header, rows = summary_rows(report)
     if rows:
         # A list, not a second table: the results table stays the only one in the file.
