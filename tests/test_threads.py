@@ -220,3 +220,45 @@ def test_pytorch_and_fastln_keep_their_own_settings():
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"start": [2, 2], "torch_set": [1, 2], "fastln_set": [2, 1]}
+
+
+@needs_openmp
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_calls_that_wake_a_sleeping_worker_give_the_serial_bits(dtype):
+    """A job that has to wake a sleeping worker goes in finer parts (the worker starts late;
+    fastln/pool.h): each call here comes after a pause longer than a worker polls, so it takes
+    that path, and every output must be bit for bit the serial call's."""
+    import time
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((2048, 768)) * 3 + 50).astype(dtype)   # 1.5M elements: wakes
+    dy = rng.standard_normal((2048, 768)).astype(dtype)
+    gamma = rng.standard_normal(768).astype(dtype)
+    beta = rng.standard_normal(768).astype(dtype)
+    images = x.reshape(8, 64, 48, 64)
+
+    def results(threads):
+        time.sleep(0.02)
+        y, cache = fastln.layer_norm_forward(x, gamma, beta, num_threads=threads)
+        time.sleep(0.02)
+        grads = fastln.layer_norm_backward(dy, cache, gamma, num_threads=threads)
+        time.sleep(0.02)
+        _, rms_cache = fastln.rms_norm_forward(x, gamma, num_threads=threads)
+        time.sleep(0.02)
+        rms_grads = fastln.rms_norm_backward(dy, rms_cache, gamma, num_threads=threads)
+        time.sleep(0.02)
+        bn_y, bn_cache = fastln.batch_norm_forward(x, gamma, beta, training=True,
+                                                   num_threads=threads)
+        time.sleep(0.02)
+        bn_grads = fastln.batch_norm_backward(dy, bn_cache, gamma, num_threads=threads)
+        time.sleep(0.02)
+        gn_y, gn_cache = fastln.group_norm_forward(images, 8, num_threads=threads)
+        time.sleep(0.02)
+        gn_grads = fastln.group_norm_backward(dy.reshape(images.shape), gn_cache,
+                                              num_threads=threads)
+        return (y, *grads, *rms_grads, bn_y, *bn_grads, gn_y, *gn_grads)
+
+    serial = results(1)
+    for _ in range(2):
+        for expected, got in zip(serial, results(2)):
+            assert_bitwise_equal(got, expected)

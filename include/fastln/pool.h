@@ -168,6 +168,7 @@ static void *fastln_pool_worker(void *start)
  * join any job. */
 #define FASTLN_POOL_WAKE_ELEMENTS (1 << 20)
 #define FASTLN_POOL_RECENT_NS 1000000L
+#define FASTLN_POOL_LATE_PARTS 8
 
 /* Tasks [0, n_tasks) of `call` (n_elements in all) in n_parts parts (2 ..
  * FASTLN_POOL_MAX_PARTS), with up to n_threads - 1 workers helping the calling thread. */
@@ -187,12 +188,7 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
     atomic_store_explicit(&fastln_pool.done, 0, memory_order_relaxed);
     const uint32_t generation =
         atomic_load_explicit(&fastln_pool.generation, memory_order_relaxed) + 1;
-    atomic_store_explicit(&fastln_pool.tickets, (uint64_t)generation << 32 | (uint64_t)helpers,
-                          memory_order_relaxed);
-    atomic_store_explicit(&fastln_pool.claim, fastln_claim_word(generation, (uint64_t)n_parts, 0),
-                          memory_order_release);
     pthread_mutex_lock(&fastln_pool.lock);
-    atomic_store_explicit(&fastln_pool.generation, generation, memory_order_release);
     /* Wake as many sleepers as this job wants helpers (large jobs only), start more workers
      * if there are too few (a worker that cannot be started is no loss: the caller takes its
      * parts). */
@@ -201,6 +197,20 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
         && (fastln_pool_spin_ns() == 0
             || fastln_now_ns() - fastln_pool.last_end_ns > FASTLN_POOL_RECENT_NS))
         to_wake = 0;
+    /* A helper that has to be woken or started begins late, and once it has claimed a part
+     * the caller waits for that part: the job then goes in FASTLN_POOL_LATE_PARTS times as
+     * many parts, so that the caller does what the late helper has not reached and waits at
+     * most for one small part. */
+    if (to_wake > 0 || fastln_pool.n_workers < helpers) {
+        const int64_t finer = n_parts * FASTLN_POOL_LATE_PARTS;
+        n_parts = finer < n_tasks ? finer : n_tasks;
+        if (n_parts > FASTLN_POOL_MAX_PARTS) n_parts = FASTLN_POOL_MAX_PARTS;
+    }
+    atomic_store_explicit(&fastln_pool.tickets, (uint64_t)generation << 32 | (uint64_t)helpers,
+                          memory_order_relaxed);
+    atomic_store_explicit(&fastln_pool.claim, fastln_claim_word(generation, (uint64_t)n_parts, 0),
+                          memory_order_release);
+    atomic_store_explicit(&fastln_pool.generation, generation, memory_order_release);
     for (int i = 0; i < to_wake; i++) pthread_cond_signal(&fastln_pool.wake);
     if (fastln_pool.n_workers < helpers) {
         /* Workers block every signal (they inherit the mask), so that signals such as SIGINT

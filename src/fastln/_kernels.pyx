@@ -272,7 +272,8 @@ cdef void _run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_el
     if FASTLN_HAVE_POOL:
         # one contiguous part per thread, as a static loop would split them, but claimed by
         # whichever thread is free (fastln/pool.h): a worker that wakes late finds its part
-        # done by the caller. (Four parts per thread measured no better: docs/performance.md.)
+        # done by the caller. (Four parts per thread measured no better: docs/performance.md;
+        # a job that has to wake a worker goes in finer parts, fastln/pool.h.)
         fastln_pool_run(task, call, n_tasks, min(<int64_t>num_threads, n_tasks), n_elements,
                         num_threads)
         return
