@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -228,8 +229,6 @@ def test_calls_that_wake_a_sleeping_worker_give_the_serial_bits(dtype):
     """A job that has to wake a sleeping worker goes in finer parts (the worker starts late;
     fastln/pool.h): each call here comes after a pause longer than a worker polls, so it takes
     that path, and every output must be bit for bit the serial call's."""
-    import time
-
     rng = np.random.default_rng(7)
     x = (rng.standard_normal((2048, 768)) * 3 + 50).astype(dtype)   # 1.5M elements: wakes
     dy = rng.standard_normal((2048, 768)).astype(dtype)
@@ -243,7 +242,7 @@ def test_calls_that_wake_a_sleeping_worker_give_the_serial_bits(dtype):
         time.sleep(0.02)
         grads = fastln.layer_norm_backward(dy, cache, gamma, num_threads=threads)
         time.sleep(0.02)
-        _, rms_cache = fastln.rms_norm_forward(x, gamma, num_threads=threads)
+        rms_y, rms_cache = fastln.rms_norm_forward(x, gamma, num_threads=threads)
         time.sleep(0.02)
         rms_grads = fastln.rms_norm_backward(dy, rms_cache, gamma, num_threads=threads)
         time.sleep(0.02)
@@ -256,7 +255,7 @@ def test_calls_that_wake_a_sleeping_worker_give_the_serial_bits(dtype):
         time.sleep(0.02)
         gn_grads = fastln.group_norm_backward(dy.reshape(images.shape), gn_cache,
                                               num_threads=threads)
-        return (y, *grads, *rms_grads, bn_y, *bn_grads, gn_y, *gn_grads)
+        return (y, *grads, rms_y, *rms_grads, bn_y, *bn_grads, gn_y, *gn_grads)
 
     serial = results(1)
     for _ in range(2):
