@@ -84,10 +84,10 @@ static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call, int 
     /* Channels first, the forward writes from its groups' statistics and the backward keeps
      * only the dgamma and dbeta terms; channels last, the forward's constants take
      * FASTLN_GN_FORWARD_CHANNEL_FIELDS: no more to allocate (and zero) for many channels. */
-    if (call->channels_last)
-        return (backward ? FASTLN_GN_CHANNEL_FIELDS : FASTLN_GN_FORWARD_CHANNEL_FIELDS)
-               * call->n_samples * call->n_channels;
-    return (backward ? 2 : 0) * call->n_samples * call->n_channels;
+    const int64_t last_fields = backward ? FASTLN_GN_CHANNEL_FIELDS
+                                         : FASTLN_GN_FORWARD_CHANNEL_FIELDS;
+    const int64_t fields = call->channels_last ? last_fields : (backward ? 2 : 0);
+    return fields * call->n_samples * call->n_channels;
 }
 
 /* The forward's channels-last float constants (head, tail, scale, offset per (sample,

@@ -171,7 +171,8 @@ static void *fastln_pool_worker(void *start)
 #define FASTLN_POOL_LATE_PARTS 8
 
 /* Tasks [0, n_tasks) of `call` (n_elements in all) in n_parts parts (2 ..
- * FASTLN_POOL_MAX_PARTS), with up to n_threads - 1 workers helping the calling thread. */
+ * FASTLN_POOL_MAX_PARTS; more when a helper has to be woken, below), with up to n_threads - 1
+ * workers helping the calling thread. */
 static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks, int64_t n_parts,
                             int64_t n_elements, int n_threads)
 {
