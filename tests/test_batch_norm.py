@@ -850,6 +850,36 @@ def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training)
                        atol=2e-3 if dtype == np.float16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_backward_sums_of_inputs_beyond_the_cache(dtype):
+    """Rows-layout inputs of 4 MiB and more take the backward's float sums with their rows
+    prefetched ahead (past the last row too); dx, dgamma and dbeta are those of the float64
+    reference on the same values, and dgamma, dbeta those of one feature taken alone."""
+    rng = np.random.default_rng(37)
+    shape = (2100, 1000) if dtype == np.float32 else (4200, 1000)
+    assert np.prod(shape) * np.dtype(dtype).itemsize >= 4 * 1024 * 1024
+    x = (rng.standard_normal(shape) * 2 + 300).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    gamma = rng.standard_normal(shape[1]).astype(np.float32)
+    _, cache = fastln.batch_norm_forward(x, gamma, training=True)
+    dx, dgamma, dbeta = fastln.batch_norm_backward(dy, cache, gamma)
+    _, exact_cache = reference.batch_norm_forward(x.astype(np.float64), gamma.astype(np.float64),
+                                                  training=True)
+    exact_dx, exact_dgamma, exact_dbeta = reference.batch_norm_backward(
+        dy.astype(np.float64), exact_cache, gamma.astype(np.float64))
+    assert np.allclose(dgamma, exact_dgamma, rtol=1e-6, atol=1e-6 * np.abs(exact_dgamma).max())
+    assert np.allclose(dbeta, exact_dbeta, rtol=1e-6, atol=1e-6 * np.abs(exact_dbeta).max())
+    tolerance = 2e-3 if dtype == np.float16 else 1e-5
+    assert np.allclose(dx.astype(np.float64), exact_dx, rtol=tolerance,
+                       atol=tolerance * np.abs(exact_dx).max())
+    feature = 999  # the last: its rows' prefetches reach past the array
+    _, cache_one = fastln.batch_norm_forward(np.ascontiguousarray(x[:, feature:]), gamma[feature:],
+                                             training=True)
+    _, dgamma_one, dbeta_one = fastln.batch_norm_backward(np.ascontiguousarray(dy[:, feature:]),
+                                                          cache_one, gamma[feature:])
+    assert dgamma_one[0] == dgamma[feature] and dbeta_one[0] == dbeta[feature]
+
+
 @pytest.mark.parametrize("axis, segment", [(-1, None), (0, 200), (0, 20)],
                          ids=["rows", "segments", "short segments"])
 def test_backward_products_below_float_range(axis, segment):

@@ -1301,9 +1301,9 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_sums_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place in the next group's rows, which this chunk reads next */
-            __builtin_prefetch(dy + at + FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 3);
-            __builtin_prefetch(x + at + FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 3);
+            /* the same place two groups down, into L2, as GroupNorm's channels-last sums */
+            __builtin_prefetch(dy + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
+            __builtin_prefetch(x + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
             FASTLN_VD g[2], d[2];
             FASTLN_NAME(load_wide)(dy + at, &g[0], &g[1]);
             FASTLN_NAME(load_wide)(x + at, &d[0], &d[1]);
@@ -1366,7 +1366,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_float_chunk)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
     int64_t row_stride, int64_t c, const int n_vectors, const double *FASTLN_RESTRICT mean,
     double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
-    double *FASTLN_RESTRICT sum_d)
+    double *FASTLN_RESTRICT sum_d, const int prefetch)
 {
     float shift_f[3 * FASTLN_VF_LANES];
     for (int k = 0; k < n_vectors * FASTLN_VF_LANES; k++) shift_f[k] = (float)mean[c + k];
@@ -1377,6 +1377,11 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_float_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
+            /* the same place two runs down, into L2, as GroupNorm's channels-last sums */
+            if (prefetch && j * FASTLN_VF_LANES * (int)sizeof(FASTLN_T) % 64 == 0) {
+                __builtin_prefetch(dy + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
+                __builtin_prefetch(x + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
+            }
             const FASTLN_VF g = FASTLN_NAME(load_c)(dy + at);
             const FASTLN_VF d = FASTLN_NAME(load_c)(x + at) - sh[j];
             s_dy[j] += g;
@@ -1400,11 +1405,11 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_float_chunk)(
     }
 }
 
-FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_rows)(
+FASTLN_INLINE void FASTLN_NAME(bn_backward_float_rows_to)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
     int64_t n_features, int64_t row_stride, const double *FASTLN_RESTRICT mean,
     double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
-    double *FASTLN_RESTRICT sum_d)
+    double *FASTLN_RESTRICT sum_d, const int prefetch)
 {
     for (int64_t first = 0; first < n_rows; first += FASTLN_BN_BACKWARD_ROW_GROUP) {
         const int64_t n = fastln_min(FASTLN_BN_BACKWARD_ROW_GROUP, n_rows - first);
@@ -1412,10 +1417,10 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_rows)(
         int64_t c = 0;
         for (; c + 3 * FASTLN_VF_LANES <= n_features; c += 3 * FASTLN_VF_LANES)
             FASTLN_NAME(bn_backward_float_chunk)(dy_rows, x_rows, n, row_stride, c, 3, mean,
-                                                 sum_dy, sum_dy_d, sum_d);
+                                                 sum_dy, sum_dy_d, sum_d, prefetch);
         for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES)
             FASTLN_NAME(bn_backward_float_chunk)(dy_rows, x_rows, n, row_stride, c, 1, mean,
-                                                 sum_dy, sum_dy_d, sum_d);
+                                                 sum_dy, sum_dy_d, sum_d, prefetch);
         for (; c < n_features; c++) {
             const float shift = (float)mean[c];
             float s_dy = 0.0f, s_dy_d = 0.0f, s_d = 0.0f;
@@ -1431,6 +1436,23 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_rows)(
             sum_d[c] += (double)s_d;
         }
     }
+}
+
+/* With prefetch set (inputs of BN_MIN_BYTES_FOR_STREAMING and more: call->streaming), each
+ * chunk prefetches its rows two runs ahead; in cache the prefetches cost more than they save
+ * (docs/performance.md, "Channels-last GroupNorm's two passes"). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_rows)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
+    int64_t n_features, int64_t row_stride, const double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
+    double *FASTLN_RESTRICT sum_d, int prefetch)
+{
+    if (prefetch)
+        FASTLN_NAME(bn_backward_float_rows_to)(dy, x, n_rows, n_features, row_stride, mean,
+                                               sum_dy, sum_dy_d, sum_d, 1);
+    else
+        FASTLN_NAME(bn_backward_float_rows_to)(dy, x, n_rows, n_features, row_stride, mean,
+                                               sum_dy, sum_dy_d, sum_d, 0);
 }
 
 /* Whether feature c's float sums (moved to the mean) stand, by LayerNorm's rule (floats_hold):

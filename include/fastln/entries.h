@@ -334,7 +334,7 @@ static void FASTLN_NAME(bn_backward_sums_task)(const void *opaque, int64_t begin
             FASTLN_NAME(bn_backward_float_rows)(dy + offset, x + offset, at.n_rows, at.width,
                                                 call->n_features, call->mean + at.first,
                                                 sum_dy + at.index, sum_dy_d + at.index,
-                                                sum_d + at.index);
+                                                sum_d + at.index, call->streaming);
 #else
             FASTLN_NAME(bn_backward_sums_rows)(dy + offset, x + offset, at.n_rows, at.width,
                                                call->n_features, call->mean + at.first,

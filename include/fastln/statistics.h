@@ -505,8 +505,8 @@ FASTLN_INLINE void FASTLN_NAME(bn_stats_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const FASTLN_T *at = x + r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place in the next group's rows, which this chunk reads next */
-            __builtin_prefetch(at + FASTLN_BN_ROW_GROUP * row_stride, 0, 3);
+            /* the same place two groups down, into L2, as GroupNorm's channels-last sums */
+            __builtin_prefetch(at + 2 * FASTLN_BN_ROW_GROUP * row_stride, 0, 2);
             FASTLN_VD d[2];
             FASTLN_NAME(load_wide)(at, &d[0], &d[1]);
             FASTLN_UNROLL
@@ -714,10 +714,10 @@ FASTLN_INLINE void FASTLN_NAME(gn_float_run_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const FASTLN_T *at = x + r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place in the next run's rows, which this chunk reads next: read down
-             * the rows, the chunks leave the hardware's prefetchers behind */
+            /* the same place two runs down, which this chunk reads after the next run: read
+             * down the rows, the chunks leave the hardware's prefetchers behind */
             if (j * FASTLN_VF_LANES * (int)sizeof(FASTLN_T) % 64 == 0)
-                __builtin_prefetch(at + FASTLN_GN_FLOAT_RUN * row_stride, 0, 3);
+                __builtin_prefetch(at + FASTLN_GN_PREFETCH_ROWS * row_stride, 0, 2);
             const FASTLN_VF d = FASTLN_NAME(load_c)(at) - sh[j];
             s[j] += d;
             q[j] += d * d;
@@ -741,9 +741,16 @@ FASTLN_INLINE void FASTLN_NAME(gn_float_run_chunk)(
     }
 }
 
+/* The vectors of a chunk: two cache lines of each row (at most four vectors, which with their
+ * shifts and sums fit 16 registers). Narrower chunks mean fewer rows' lines in flight at once. */
+#define FASTLN_GN_CHUNK_VECTORS                                                                 \
+    (128 / (FASTLN_VF_LANES * (int)sizeof(FASTLN_T)) < 4                                        \
+         ? 128 / (FASTLN_VF_LANES * (int)sizeof(FASTLN_T))                                      \
+         : 4)
+
 /* sum[c] and sumsq[c] (stored, not added to) of d = x[r, c] - shift[c] in float, over a block
  * of n_rows rows of C channels, in float runs of FASTLN_GN_FLOAT_RUN rows. Channels never mix:
- * the vector width changes nothing. */
+ * the vector width and the chunks change nothing. */
 FASTLN_OUTLINED void FASTLN_NAME(gn_float_block_sums)(
     const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows, int64_t C,
     const double *FASTLN_RESTRICT shift, double *FASTLN_RESTRICT sum,
@@ -753,8 +760,10 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_float_block_sums)(
         const FASTLN_T *rows = x + first * C;
         const int64_t n = fastln_min(FASTLN_GN_FLOAT_RUN, n_rows - first);
         int64_t c = 0;
-        for (; c + 4 * FASTLN_VF_LANES <= C; c += 4 * FASTLN_VF_LANES)
-            FASTLN_NAME(gn_float_run_chunk)(rows, n, C, c, 4, shift, sum, sumsq, first == 0);
+        for (; c + FASTLN_GN_CHUNK_VECTORS * FASTLN_VF_LANES <= C;
+             c += FASTLN_GN_CHUNK_VECTORS * FASTLN_VF_LANES)
+            FASTLN_NAME(gn_float_run_chunk)(rows, n, C, c, FASTLN_GN_CHUNK_VECTORS, shift, sum,
+                                            sumsq, first == 0);
         for (; c + FASTLN_VF_LANES <= C; c += FASTLN_VF_LANES)
             FASTLN_NAME(gn_float_run_chunk)(rows, n, C, c, 1, shift, sum, sumsq, first == 0);
         for (; c < C; c++) {
@@ -770,6 +779,7 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_float_block_sums)(
         }
     }
 }
+#undef FASTLN_GN_CHUNK_VECTORS
 
 /* A block's sums of d = x - shift: each group's, over its channels in channel order. For every
  * group whose sums do not hold (fastln_gn_block_holds), the block is summed once more with that

@@ -243,7 +243,8 @@ def set_default_num_threads(int num_threads):
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
 # half types). GroupNorm streams from inputs of MIN_BYTES_FOR_STREAMING too; BatchNorm's rows
 # layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
-# faster (docs/performance.md). The GroupNorm backward takes a group at a time (its sums, then
+# faster (docs/performance.md), and from that size its float32-compute backward sums prefetch
+# their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes a group at a time (its sums, then
 # its dx from cache) when the group's dy and x together are at most GN_MAX_GROUP_BYTES_IN_CACHE;
 # larger groups would be read from memory twice either way, and the piece phases stream better.
 cdef enum:
