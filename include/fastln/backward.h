@@ -1519,30 +1519,68 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_add_block)(
  * mix, so the vector width changes nothing. 1 and the sums (moved to the mean) when they hold
  * by LayerNorm's rule (finite; sum(dy * d) not below n^2 FLT_MIN unless dy is all zero); 0 for
  * the double slots. */
+
+/* One run's segments [first, last), n_vectors float vectors of positions from v on, their float
+ * sums kept in registers over the run (indexed by a run-time count, GCC kept them on the stack,
+ * and each add waited for the last one's store), then added to the positions' double sums. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_short_chunk)(
+    const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t first,
+    int64_t last, int64_t stride, int64_t v, const int n_vectors, float shift,
+    double positions[3][FASTLN_BN_FLOAT_SEGMENT])
+{
+    FASTLN_VF s_dy[4] = {0}, s_dy_d[4] = {0}, s_d[4] = {0};
+    for (int64_t k = first; k < last; k++) {
+        FASTLN_UNROLL
+        for (int j = 0; j < n_vectors; j++) {
+            const int64_t at = k * stride + (v + j) * FASTLN_VF_LANES;
+            const FASTLN_VF g = FASTLN_NAME(load_c)(dy + at);
+            const FASTLN_VF d = FASTLN_NAME(load_c)(x + at) - shift;
+            s_dy[j] += g;
+            s_dy_d[j] += g * d;
+            s_d[j] += d;
+        }
+    }
+    FASTLN_UNROLL
+    for (int j = 0; j < n_vectors; j++) {
+        const FASTLN_VF partials[3] = {s_dy[j], s_dy_d[j], s_d[j]};
+        for (int i = 0; i < 3; i++) {
+            double *at = positions[i] + (v + j) * FASTLN_VF_LANES;
+            FASTLN_ISA(store_f64)(at, FASTLN_ISA(load_f64)(at)
+                                          + FASTLN_ISA(widen_low)(partials[i]));
+            FASTLN_ISA(store_f64)(at + FASTLN_VD_LANES,
+                                  FASTLN_ISA(load_f64)(at + FASTLN_VD_LANES)
+                                      + FASTLN_ISA(widen_high)(partials[i]));
+        }
+    }
+}
+
 FASTLN_INLINE int FASTLN_NAME(bn_backward_short_segments)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
     int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,
     double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
 {
-    enum { MAX_VECTORS = FASTLN_BN_FLOAT_SEGMENT / FASTLN_VF_LANES };
     const float shift = (float)mean;
     const int64_t n_vectors = n_inner / FASTLN_VF_LANES, whole = n_vectors * FASTLN_VF_LANES;
-    double positions[3][FASTLN_BN_FLOAT_SEGMENT] = {{0}};
+    double positions[3][FASTLN_BN_FLOAT_SEGMENT];
+    for (int i = 0; i < 3; i++) memset(positions[i], 0, (size_t)n_inner * sizeof(double));
     for (int64_t first = 0; first < n_segments; first += FASTLN_BN_SHORT_SEGMENT_RUN) {
         const int64_t last = fastln_min(first + FASTLN_BN_SHORT_SEGMENT_RUN, n_segments);
-        FASTLN_VF s_dy[MAX_VECTORS], s_dy_d[MAX_VECTORS], s_d[MAX_VECTORS];
-        for (int64_t v = 0; v < n_vectors; v++) s_dy[v] = s_dy_d[v] = s_d[v] = (FASTLN_VF){0};
+        int64_t v = 0;
+        for (; v + 4 <= n_vectors; v += 4)
+            FASTLN_NAME(bn_backward_short_chunk)(dy, x, first, last, stride, v, 4, shift,
+                                                 positions);
+        if (v + 2 <= n_vectors) {
+            FASTLN_NAME(bn_backward_short_chunk)(dy, x, first, last, stride, v, 2, shift,
+                                                 positions);
+            v += 2;
+        }
+        if (v < n_vectors)
+            FASTLN_NAME(bn_backward_short_chunk)(dy, x, first, last, stride, v, 1, shift,
+                                                 positions);
         float t_dy[FASTLN_VF_LANES] = {0}, t_dy_d[FASTLN_VF_LANES] = {0};
         float t_d[FASTLN_VF_LANES] = {0};
-        for (int64_t k = first; k < last; k++) {
+        for (int64_t k = first; k < last && whole < n_inner; k++) {
             const FASTLN_T *dy_segment = dy + k * stride, *x_segment = x + k * stride;
-            for (int64_t v = 0; v < n_vectors; v++) {
-                const FASTLN_VF g = FASTLN_NAME(load_c)(dy_segment + v * FASTLN_VF_LANES);
-                const FASTLN_VF d = FASTLN_NAME(load_c)(x_segment + v * FASTLN_VF_LANES) - shift;
-                s_dy[v] += g;
-                s_dy_d[v] += g * d;
-                s_d[v] += d;
-            }
             for (int64_t l = whole; l < n_inner; l++) {
                 const float g = FASTLN_NAME(to_compute)(dy_segment[l]);
                 const float d = FASTLN_NAME(to_compute)(x_segment[l]) - shift;
@@ -1551,12 +1589,6 @@ FASTLN_INLINE int FASTLN_NAME(bn_backward_short_segments)(
                 t_d[l - whole] += d;
             }
         }
-        for (int64_t v = 0; v < n_vectors; v++)
-            for (int l = 0; l < FASTLN_VF_LANES; l++) {
-                positions[0][v * FASTLN_VF_LANES + l] += (double)s_dy[v][l];
-                positions[1][v * FASTLN_VF_LANES + l] += (double)s_dy_d[v][l];
-                positions[2][v * FASTLN_VF_LANES + l] += (double)s_d[v][l];
-            }
         for (int64_t l = whole; l < n_inner; l++) {
             positions[0][l] += (double)t_dy[l - whole];
             positions[1][l] += (double)t_dy_d[l - whole];
