@@ -339,6 +339,22 @@ FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *res
                                         const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols)
 {
     int64_t i = 0;
+#if FASTLN_STORAGE == FASTLN_FLOAT16 || FASTLN_STORAGE == FASTLN_BFLOAT16
+    /* Without bias, the half formats add in float: their double sum is exact, so rounding it
+     * to float gives the float sum, and the bits are the same without widening and narrowing
+     * every element. float32 keeps the double loop: there the float loop came out slower
+     * wherever the rows come from L3 or memory (docs/performance.md, "The residual add in
+     * float"). */
+    if (!bias) {
+        for (; i + FASTLN_VF_LANES <= n_cols; i += FASTLN_VF_LANES)
+            FASTLN_NAME(store_c)(s + i, FASTLN_NAME(load_c)(x + i)
+                                            + FASTLN_NAME(load_c)(residual + i));
+        for (; i < n_cols; i++)
+            s[i] = FASTLN_NAME(from_compute)(FASTLN_NAME(to_compute)(x[i])
+                                             + FASTLN_NAME(to_compute)(residual[i]));
+        return;
+    }
+#endif
     for (; i + FASTLN_VF_LANES <= n_cols; i += FASTLN_VF_LANES) {
         FASTLN_VD x_low, x_high, r_low, r_high;
         FASTLN_NAME(load_wide)(x + i, &x_low, &x_high);
