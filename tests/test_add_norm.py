@@ -106,6 +106,24 @@ def test_sum_is_numpys_sum(rng, dtype):
     assert_bitwise_equal(s, x + residual)
 
 
+@pytest.mark.parametrize("n_rows", [9, 700], ids=["in cache", "beyond 8 MiB"])
+def test_float32_sum_is_numpys_sum_in_both_loops(n_rows):
+    """float32 sums are added in float for calls in cache and in double beyond (both round the
+    exact sum once): NumPy's x + residual either way, at overflow, subnormals and cancellation."""
+    rng = np.random.default_rng(43)
+    shape = (n_rows, 1000)
+    scales = rng.choice(np.array([3e38, 1e-39, 1e4, 1.0, 1e-3]), size=shape)
+    finite = np.finfo(np.float32).max
+    x = np.clip(rng.standard_normal(shape) * scales, -finite, finite).astype(np.float32)
+    residual = np.clip(rng.standard_normal(shape) * scales[::-1], -finite, finite)
+    residual = residual.astype(np.float32)
+    residual[:, ::7] = -x[:, ::7]  # exact cancellation: +0
+    for function in (fastln.add_layer_norm, fastln.add_rms_norm):
+        with np.errstate(over="ignore"):
+            _, s = function(x, residual)
+            assert_bitwise_equal(s, x + residual)
+
+
 def test_bias_sum_is_rounded_once(rng):
     x = np.full((1, 3), 1.0, np.float32)
     residual = np.full((1, 3), 2.0 ** -24, np.float32)

@@ -68,7 +68,8 @@ static void FASTLN_NAME(add_layer_norm_forward_task)(const void *opaque, int64_t
     FASTLN_P *mean = call->mean, *rstd = call->rstd;
     for (int64_t r = begin; r < end; r++) {
         double row_mean, row_rstd;
-        FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n);
+        FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n,
+                             call->add_in_float);
         FASTLN_NAME(layer_norm_forward_row)(s + r * n, call->gamma, call->beta, y + r * n, n,
                                             call->eps, &row_mean, &row_rstd, 0);
         if (mean) mean[r] = (FASTLN_P)row_mean;
@@ -86,7 +87,8 @@ static void FASTLN_NAME(add_rms_norm_forward_task)(const void *opaque, int64_t b
     FASTLN_P *rstd = call->rstd;
     for (int64_t r = begin; r < end; r++) {
         double row_rstd;
-        FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n);
+        FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n,
+                             call->add_in_float);
         FASTLN_NAME(rms_norm_forward_row)(s + r * n, call->gamma, y + r * n, n, call->eps,
                                           &row_rstd, 0);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;

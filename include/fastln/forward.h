@@ -336,16 +336,17 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
  * x + residual without bias). s may be x or residual itself: each element is read before it is
  * written. bias may be NULL. */
 FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *residual,
-                                        const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols)
+                                        const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols,
+                                        int in_float)
 {
     int64_t i = 0;
-#if FASTLN_STORAGE == FASTLN_FLOAT16 || FASTLN_STORAGE == FASTLN_BFLOAT16
-    /* Without bias, the half formats add in float: their double sum is exact, so rounding it
-     * to float gives the float sum, and the bits are the same without widening and narrowing
-     * every element. float32 keeps the double loop: there the float loop came out slower
-     * wherever the rows come from L3 or memory (docs/performance.md, "The residual add in
-     * float"). */
-    if (!bias) {
+#if FASTLN_COMPUTE_F32
+    /* Without bias, the sum in float has the same bits: the double sum of two floats rounded to
+     * float is their float sum (53 >= 2 * 24 + 2 bits: the double rounding is innocuous), and for
+     * the half formats the double sum is exact. The half formats always take it; float32 when
+     * in_float says the call is in cache: with rows from L3 the double loop came out faster
+     * (docs/performance.md, "The residual add in float"). */
+    if (!bias && (in_float || FASTLN_STORAGE != FASTLN_FLOAT32)) {
         for (; i + FASTLN_VF_LANES <= n_cols; i += FASTLN_VF_LANES)
             FASTLN_NAME(store_c)(s + i, FASTLN_NAME(load_c)(x + i)
                                             + FASTLN_NAME(load_c)(residual + i));
@@ -354,6 +355,8 @@ FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *res
                                              + FASTLN_NAME(to_compute)(residual[i]));
         return;
     }
+#else
+    (void)in_float;
 #endif
     for (; i + FASTLN_VF_LANES <= n_cols; i += FASTLN_VF_LANES) {
         FASTLN_VD x_low, x_high, r_low, r_high;

@@ -93,6 +93,9 @@ typedef struct {
                                       * groups of FASTLN_BACKWARD_GROUP (dy, x and dx beyond the
                                       * cache: a row's two passes then overlap the next row's
                                       * loads better; docs/performance.md) */
+    int add_in_float;                /* the fused adds, float32: x + residual in float (the
+                                      * call's arrays in cache; else in double, which measured
+                                      * faster from L3; the half formats always in float) */
     /* Backwards: row blocks of rows_per_block rows, each with its own zeroed partial sums (one
      * or two rows of n_cols doubles: dgamma, then dbeta) and, for the float32-compute types, its
      * own zeroed float accumulators (two rows of n_cols); the column sums go to dgamma and dbeta

@@ -58,7 +58,7 @@ cdef extern from "fastln/kernels.h" nogil:
         void *rstd
         int64_t n_rows, n_cols
         double eps
-        int streaming, rows_alone
+        int streaming, rows_alone, add_in_float
         int64_t n_blocks, rows_per_block
         double *partials
         float *accumulators
@@ -247,12 +247,16 @@ def set_default_num_threads(int num_threads):
 # their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes a group at a time (its sums, then
 # its dx from cache) when the group's dy and x together are at most GN_MAX_GROUP_BYTES_IN_CACHE;
 # larger groups would be read from memory twice either way, and the piece phases stream better.
+# The float32 fused adds add x + residual in float (the same bits as in double) when x, residual,
+# the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3 the double loop measured
+# faster (docs/performance.md, "The residual add in float").
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
+    ADD_IN_FLOAT_MAX_BYTES = 8 * 1024 * 1024
 
 
 cdef inline fastln_task _task(int storage, int task) noexcept nogil:
@@ -301,6 +305,7 @@ cdef inline void _rows_call(fastln_rows_call *call, const void *x, Py_ssize_t n_
     call.eps = eps
     call.streaming = output_bytes >= MIN_BYTES_FOR_STREAMING
     call.rows_alone = 0
+    call.add_in_float = 0
     call.n_blocks = call.rows_per_block = 0
     call.partials = NULL
     call.accumulators = NULL
@@ -366,6 +371,7 @@ cdef inline void _add_norm_forward(int op, fastln_rows_call *call, object residu
                                    object bias, object gamma, object beta, object s, object y,
                                    object mean, object rstd, int storage, int num_threads):
     call.streaming = 0  # y is written while the row is in cache
+    call.add_in_float = 4 * cnp.PyArray_NBYTES(<cnp.ndarray>s) <= ADD_IN_FLOAT_MAX_BYTES
     call.residual = _data(residual)
     call.bias = _data(bias)
     call.gamma = _data(gamma)
