@@ -1512,14 +1512,6 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_add_block)(
 }
 
 #if FASTLN_COMPUTE_F32
-/* Segments layout, one feature of short segments (n_inner below FASTLN_BN_FLOAT_SEGMENT), in
- * float: each position of a segment adds that position of the segments of a run of
- * FASTLN_BN_SHORT_SEGMENT_RUN in float, around the float nearest the mean; the run's partials go
- * to the position's double sums, added over the positions in order at the end. Positions never
- * mix, so the vector width changes nothing. 1 and the sums (moved to the mean) when they hold
- * by LayerNorm's rule (finite; sum(dy * d) not below n^2 FLT_MIN unless dy is all zero); 0 for
- * the double slots. */
-
 /* One run's segments [first, last), n_vectors float vectors of positions from v on, their float
  * sums kept in registers over the run (indexed by a run-time count, GCC kept them on the stack,
  * and each add waited for the last one's store), then added to the positions' double sums. */
@@ -1554,6 +1546,13 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_short_chunk)(
     }
 }
 
+/* Segments layout, one feature of short segments (n_inner below FASTLN_BN_FLOAT_SEGMENT), in
+ * float: each position of a segment adds that position of the segments of a run of
+ * FASTLN_BN_SHORT_SEGMENT_RUN in float, around the float nearest the mean; the run's partials go
+ * to the position's double sums, added over the positions in order at the end. Positions never
+ * mix, so the vector width changes nothing. 1 and the sums (moved to the mean) when they hold
+ * by LayerNorm's rule (finite; sum(dy * d) not below n^2 FLT_MIN unless dy is all zero); 0 for
+ * the double slots. */
 FASTLN_INLINE int FASTLN_NAME(bn_backward_short_segments)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
     int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,

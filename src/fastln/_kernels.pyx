@@ -244,9 +244,10 @@ def set_default_num_threads(int num_threads):
 # half types). GroupNorm streams from inputs of MIN_BYTES_FOR_STREAMING too; BatchNorm's rows
 # layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
 # faster (docs/performance.md), and from that size its float32-compute backward sums prefetch
-# their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes a group at a time (its sums, then
-# its dx from cache) when the group's dy and x together are at most GN_MAX_GROUP_BYTES_IN_CACHE;
-# larger groups would be read from memory twice either way, and the piece phases stream better.
+# their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes
+# a group at a time (its sums, then its dx from cache) when the group's dy and x together are at
+# most GN_MAX_GROUP_BYTES_IN_CACHE; larger groups would be read from memory twice either way,
+# and the piece phases stream better.
 # The float32 fused adds add x + residual in float (the same bits as in double) when x, residual,
 # the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3 the double loop measured
 # faster (docs/performance.md, "The residual add in float").
