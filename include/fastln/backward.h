@@ -1301,9 +1301,8 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_sums_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place two groups down, into L2, as GroupNorm's channels-last sums */
-            __builtin_prefetch(dy + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
-            __builtin_prefetch(x + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
+            FASTLN_PREFETCH_RUNS_AHEAD(dy + at, FASTLN_BN_BACKWARD_ROW_GROUP, row_stride);
+            FASTLN_PREFETCH_RUNS_AHEAD(x + at, FASTLN_BN_BACKWARD_ROW_GROUP, row_stride);
             FASTLN_VD g[2], d[2];
             FASTLN_NAME(load_wide)(dy + at, &g[0], &g[1]);
             FASTLN_NAME(load_wide)(x + at, &d[0], &d[1]);
@@ -1377,10 +1376,9 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_float_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place two runs down, into L2, as GroupNorm's channels-last sums */
             if (prefetch && j * FASTLN_VF_LANES * (int)sizeof(FASTLN_T) % 64 == 0) {
-                __builtin_prefetch(dy + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
-                __builtin_prefetch(x + at + 2 * FASTLN_BN_BACKWARD_ROW_GROUP * row_stride, 0, 2);
+                FASTLN_PREFETCH_RUNS_AHEAD(dy + at, FASTLN_BN_BACKWARD_ROW_GROUP, row_stride);
+                FASTLN_PREFETCH_RUNS_AHEAD(x + at, FASTLN_BN_BACKWARD_ROW_GROUP, row_stride);
             }
             const FASTLN_VF g = FASTLN_NAME(load_c)(dy + at);
             const FASTLN_VF d = FASTLN_NAME(load_c)(x + at) - sh[j];
@@ -1439,7 +1437,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_float_rows_to)(
 }
 
 /* With prefetch set (inputs of BN_MIN_BYTES_FOR_STREAMING and more: call->streaming), each
- * chunk prefetches its rows two runs ahead; in cache the prefetches cost more than they save
+ * chunk prefetches its rows (FASTLN_PREFETCH_RUNS_AHEAD); in cache they cost more than they save
  * (docs/performance.md, "Channels-last GroupNorm's two passes"). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_rows)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,

@@ -30,11 +30,6 @@
  * gn_float_block_sums). 16 rows of 512 float32 channels fit L1 as a chunk is read down them. */
 #define FASTLN_GN_FLOAT_RUN 16
 
-/* How far down its rows a float run's chunk prefetches (into L2, not L1: a run's rows already
- * fill L1, and lines brought there ahead evicted the run's own; docs/performance.md,
- * "Channels-last GroupNorm's two passes"). */
-#define FASTLN_GN_PREFETCH_ROWS (2 * FASTLN_GN_FLOAT_RUN)
-
 /* The doubles a group keeps in group_scratch: the forward's fastln_ln_stats fields (shift,
  * mean_shifted, var, rstd, rstd_scaled, exponent, mean, center, prescale, rare), the backward's
  * constants (mean, mean correction, rstd, mean(dx_hat), mean(dx_hat * x_hat)). */

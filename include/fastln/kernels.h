@@ -172,6 +172,14 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
     return fastln_min(fastln_max(n_rows / FASTLN_MIN_ROWS_PER_BLOCK, 1), FASTLN_MAX_BLOCKS);
 }
 
+/* Column sums (BatchNorm's rows layout, channels-last GroupNorm) read a chunk of columns down a
+ * run of run_rows rows, then the next chunk: `at` prefetches its own place two runs down, into
+ * L2. Not into L1, which a run's rows can fill by themselves (16 rows of 512 float32 are 32 KiB):
+ * lines brought there ahead evicted the run's own (docs/performance.md, "Channels-last
+ * GroupNorm's two passes"). */
+#define FASTLN_PREFETCH_RUNS_AHEAD(at, run_rows, row_stride)                                   \
+    __builtin_prefetch((at) + 2 * (run_rows) * (row_stride), 0, 2)
+
 #include "fastln/batch_norm.h"
 
 /* One row's LayerNorm statistics (ln_statistics): the sums are taken on x - shift (shift = x[0],

@@ -202,11 +202,9 @@ static void fastln_pool_run(fastln_task task, const void *call, int64_t n_tasks,
      * the caller waits for that part: the job then goes in FASTLN_POOL_LATE_PARTS times as
      * many parts, so that the caller does what the late helper has not reached and waits at
      * most for one small part. */
-    if (to_wake > 0 || fastln_pool.n_workers < helpers) {
-        const int64_t finer = n_parts * FASTLN_POOL_LATE_PARTS;
-        n_parts = finer < n_tasks ? finer : n_tasks;
-        if (n_parts > FASTLN_POOL_MAX_PARTS) n_parts = FASTLN_POOL_MAX_PARTS;
-    }
+    if (to_wake > 0 || fastln_pool.n_workers < helpers)
+        n_parts = fastln_min(fastln_min(n_parts * FASTLN_POOL_LATE_PARTS, n_tasks),
+                             FASTLN_POOL_MAX_PARTS);
     atomic_store_explicit(&fastln_pool.tickets, (uint64_t)generation << 32 | (uint64_t)helpers,
                           memory_order_relaxed);
     atomic_store_explicit(&fastln_pool.claim, fastln_claim_word(generation, (uint64_t)n_parts, 0),

@@ -505,8 +505,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_stats_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const FASTLN_T *at = x + r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place two groups down, into L2, as GroupNorm's channels-last sums */
-            __builtin_prefetch(at + 2 * FASTLN_BN_ROW_GROUP * row_stride, 0, 2);
+            FASTLN_PREFETCH_RUNS_AHEAD(at, FASTLN_BN_ROW_GROUP, row_stride);
             FASTLN_VD d[2];
             FASTLN_NAME(load_wide)(at, &d[0], &d[1]);
             FASTLN_UNROLL
@@ -714,10 +713,9 @@ FASTLN_INLINE void FASTLN_NAME(gn_float_run_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const FASTLN_T *at = x + r * row_stride + c + j * FASTLN_VF_LANES;
-            /* the same place two runs down, which this chunk reads after the next run: read
-             * down the rows, the chunks leave the hardware's prefetchers behind */
+            /* read down the rows, the chunks leave the hardware's prefetchers behind */
             if (j * FASTLN_VF_LANES * (int)sizeof(FASTLN_T) % 64 == 0)
-                __builtin_prefetch(at + FASTLN_GN_PREFETCH_ROWS * row_stride, 0, 2);
+                FASTLN_PREFETCH_RUNS_AHEAD(at, FASTLN_GN_FLOAT_RUN, row_stride);
             const FASTLN_VF d = FASTLN_NAME(load_c)(at) - sh[j];
             s[j] += d;
             q[j] += d * d;
