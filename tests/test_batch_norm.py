@@ -187,6 +187,28 @@ def test_eval_mode_accepts_array_likes():
     assert_close(y, (x - [1, 2]) / [2, 3])
 
 
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("shape, axis", [((40, 33), -1), ((3, 33, 5, 2), 1)])
+def test_float32_parameters_are_their_float64_values(rng, training, shape, axis):
+    """float32 gamma, beta and running statistics are read as the float64 numbers they are:
+    the same bits as passing those float64 arrays, whose values the kernels read in place."""
+    x = random_input(rng, shape, np.float32) + np.float32(1e3)
+    dy = random_input(rng, shape, np.float32)
+    gamma, beta = (1 + 0.1 * rng.standard_normal(33)), rng.standard_normal(33)
+    running = rng.standard_normal(33), rng.random(33) + 0.5
+    singles = [a.astype(np.float32) for a in (gamma, beta) + running]
+    doubles = [a.astype(np.float64) for a in singles]
+    results = []
+    for g, b, mean, var in (singles, doubles):
+        mean, var = mean.copy(), var.copy()
+        y, cache = fastln.batch_norm_forward(x, g, b, mean, var, training=training, axis=axis)
+        results.append((y, cache.mean, cache.rstd, *fastln.batch_norm_backward(dy, cache, g)))
+        if training:  # updated in place in float64, each stored in its own dtype
+            results[-1] += (mean.astype(np.float32), var.astype(np.float32))
+    for single, double in zip(*results):
+        assert_bitwise_equal(single, double)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batch_of_one_gives_beta_and_zero_gradient(rng, dtype):
     x = random_input(rng, (1, 6), dtype)

@@ -22,7 +22,7 @@ that raise. tests/test_fast_paths.py holds the two paths to the same results.
 from cython.parallel cimport prange
 from libc.math cimport INFINITY
 from libc.stdint cimport int64_t, uint16_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
 cimport numpy as cnp
@@ -478,8 +478,44 @@ def rms_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray r
 # BatchNorm: x is a C-contiguous (n_outer, n_features, n_inner) array
 # ---------------------------------------------------------------------------------------------
 
+cdef inline bint _is_single(object values):
+    return values is not None and cnp.PyArray_TYPE(<cnp.ndarray>values) == cnp.NPY_FLOAT32
+
+
+cdef double *_widen_room(Py_ssize_t n_features, object a, object b=None, object c=None,
+                         object d=None) except? NULL:
+    """Room for the float32 ones among BatchNorm's per-feature arrays a, b, c, d as doubles
+    (_as_doubles fills it); NULL when there are none."""
+    cdef Py_ssize_t n_single = (_is_single(a) + _is_single(b) + _is_single(c)
+                                + _is_single(d))
+    if n_single == 0:
+        return NULL
+    cdef double *room = <double*>malloc(n_single * n_features * sizeof(double))
+    if room == NULL:
+        raise MemoryError("batch_norm: cannot allocate the per-feature parameters")
+    return room
+
+
+cdef const double *_as_doubles(object values, double **room) noexcept:
+    """A BatchNorm parameter or statistic (None, or a 1-D contiguous float32 or float64 array)
+    as the doubles its constants are computed from: float64 values where they are (no copy
+    per call), float32 ones widened, exactly, into *room, which then moves past them."""
+    if values is None:
+        return NULL
+    cdef cnp.ndarray array = <cnp.ndarray>values
+    if cnp.PyArray_TYPE(array) == cnp.NPY_FLOAT64:
+        return <const double*>cnp.PyArray_DATA(array)
+    cdef const float *single = <const float*>cnp.PyArray_DATA(array)
+    cdef double *widened = room[0]
+    cdef Py_ssize_t i, n = cnp.PyArray_SIZE(array)
+    for i in range(n):
+        widened[i] = single[i]
+    room[0] = widened + n
+    return widened
+
+
 cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
-                   Py_ssize_t n_features, Py_ssize_t n_inner, object gamma, double eps,
+                   Py_ssize_t n_features, Py_ssize_t n_inner, const double *gamma, double eps,
                    bint training):
     call.x = cnp.PyArray_DATA(x)
     call.dy = NULL
@@ -490,7 +526,7 @@ cdef void _bn_call(fastln_bn_call *call, cnp.ndarray x, Py_ssize_t n_outer,
     call.eps = eps
     call.training = training
     call.streaming = cnp.PyArray_NBYTES(x) >= BN_MIN_BYTES_FOR_STREAMING
-    call.gamma = <const double*>_data(gamma)
+    call.gamma = gamma
     call.beta = call.running_mean = call.running_var = NULL
     call.dgamma_out = call.dbeta_out = NULL
     call.dx_mean = NULL
@@ -505,34 +541,40 @@ cdef inline double *_features(double *scratch, Py_ssize_t n_features, int index)
 
 def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssize_t n_features,
                        Py_ssize_t n_inner, object gamma, object beta, object running_mean,
-                       object running_var, cnp.ndarray mean, cnp.ndarray var, cnp.ndarray rstd,
+                       object running_var, cnp.ndarray mean, object var, cnp.ndarray rstd,
                        bint training, double eps, int storage, int num_threads):
     """BatchNorm of x (n_outer * n_features * n_inner values, C order) into y.
 
-    gamma, beta, running_mean, running_var: float64 (n_features,) or None (running statistics
-    are required when not training). mean, var, rstd: float64 (n_features,) outputs (var only
-    when training)."""
+    gamma, beta, running_mean, running_var: contiguous float32 or float64 (n_features,) or None
+    (running statistics are required when not training). mean, var, rstd: float64
+    (n_features,) outputs (var only when training, else None)."""
     cdef fastln_bn_call call
-    _bn_call(&call, x, n_outer, n_features, n_inner, gamma, eps, training)
+    cdef double *widened = _widen_room(n_features, gamma, beta, running_mean, running_var)
+    cdef double *room = widened
+    _bn_call(&call, x, n_outer, n_features, n_inner, _as_doubles(gamma, &room), eps, training)
     call.y = cnp.PyArray_DATA(y)
-    call.beta = <const double*>_data(beta)
-    call.running_mean = <const double*>_data(running_mean)
-    call.running_var = <const double*>_data(running_var)
+    call.beta = _as_doubles(beta, &room)
+    call.running_mean = _as_doubles(running_mean, &room)
+    call.running_var = _as_doubles(running_var, &room)
     call.mean = <double*>cnp.PyArray_DATA(mean)
-    call.var = <double*>cnp.PyArray_DATA(var)
+    call.var = <double*>_data(var)
     call.rstd = <double*>cnp.PyArray_DATA(rstd)
     # shift, center, scale, offset, sum, sumsq, then the rare features' indices (int64, as wide
     # as a double) and their count, then (float32-compute types) the float apply's four float
     # constants per feature, as wide as two doubles
     cdef bint float_apply = storage != FASTLN_FLOAT64
-    cdef double *scratch = <double*>calloc(7 * n_features + 1 + (2 * n_features if float_apply
-                                                                   else 0), sizeof(double))
+    cdef size_t n_scratch = 7 * n_features + 1 + (2 * n_features if float_apply else 0)
+    # Evaluation writes every value it reads (the sums are training's), so it skips the zeroing
+    # that training's accumulators need; the rare features' count is set below.
+    cdef double *scratch = <double*>(calloc(n_scratch, sizeof(double)) if training
+                                     else malloc(n_scratch * sizeof(double)))
     call.partials = NULL
     if training:
         call.partials = <double*>calloc(2 * call.n_blocks * n_features, sizeof(double))
     if scratch == NULL or (training and call.partials == NULL):
         free(scratch)
         free(call.partials)
+        free(widened)
         raise MemoryError("batch_norm: cannot allocate the per-feature scratch")
     call.shift = _features(scratch, n_features, 0)
     call.center = _features(scratch, n_features, 1)
@@ -542,6 +584,7 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     call.sumsq = _features(scratch, n_features, 5)
     call.finish = <int64_t*>_features(scratch, n_features, 6)
     call.n_finish = <int64_t*>_features(scratch, n_features, 7)
+    call.n_finish[0] = 0
     if float_apply:
         call.float_constants = <float*>(_features(scratch, n_features, 7) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
@@ -558,6 +601,7 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
             _run(_task(storage, FASTLN_BN_FINISH_RESCALED), &call, 1, 0, 1)
     free(scratch)
     free(call.partials)
+    free(widened)
 
 
 def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarray dgamma,
@@ -566,10 +610,13 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
                         bint training, double eps, int storage, int num_threads):
     """BatchNorm backward into dx (x's layout) and dgamma, dbeta (n_features, parameter type).
 
-    gamma: float64 (n_features,) or None; mean, rstd: float64 (n_features,) and eps from the
-    forward (eps for the rare features whose rstd is beyond double)."""
+    gamma: contiguous float32 or float64 (n_features,) or None; mean, rstd: float64
+    (n_features,) and eps from the forward (eps for the rare features whose rstd is beyond
+    double)."""
     cdef fastln_bn_call call
-    _bn_call(&call, x, n_outer, n_features, n_inner, gamma, eps, training)
+    cdef double *widened = _widen_room(n_features, gamma)
+    cdef double *room = widened
+    _bn_call(&call, x, n_outer, n_features, n_inner, _as_doubles(gamma, &room), eps, training)
     call.dy = cnp.PyArray_DATA(dy)
     call.dx = cnp.PyArray_DATA(dx)
     call.mean = <double*>cnp.PyArray_DATA(mean)
@@ -589,6 +636,7 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     if scratch == NULL or call.partials == NULL:
         free(scratch)
         free(call.partials)
+        free(widened)
         raise MemoryError("batch_norm_backward: cannot allocate the per-feature scratch")
     call.sum_dy = _features(scratch, n_features, 0)
     call.sum_dy_d = _features(scratch, n_features, 1)
@@ -621,6 +669,7 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
             _run(_task(storage, FASTLN_BN_BACKWARD_FINISH_RESCALED), &call, 1, 0, 1)
     free(scratch)
     free(call.partials)
+    free(widened)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1210,14 +1259,6 @@ cdef inline bint _is_running(object value, Py_ssize_t n_features, bint training)
     return not training or cnp.PyArray_ISWRITEABLE(<cnp.ndarray>value)
 
 
-cdef inline object _as_float64(object value):
-    """A float64 copy of a 1-D float32 or float64 kernel array (None stays None), as the
-    general path casts BatchNorm's parameters and evaluation statistics."""
-    if value is None:
-        return None
-    return cnp.PyArray_Cast(<cnp.ndarray>value, cnp.NPY_FLOAT64)
-
-
 cdef void _update_running(cnp.ndarray running, double momentum, cnp.ndarray batch_stat):
     """running = momentum * running + (1 - momentum) * batch_stat in double, stored in its own
     dtype: the general path's update_running (fastln/_batch_norm.py), operation for operation."""
@@ -1286,14 +1327,14 @@ def batch_norm_forward_fast(object x, object gamma, object beta, object running_
             or _overlaps(out, running_var)):
         return None
     y = out if out is not None else _new_like(x_array, rows.typenum)
+    # every feature's statistics are written by the kernels (var only in training mode)
     cdef cnp.npy_intp shape = n_features
-    mean = cnp.PyArray_ZEROS(1, &shape, cnp.NPY_FLOAT64, 0)
-    var = cnp.PyArray_ZEROS(1, &shape, cnp.NPY_FLOAT64, 0)
-    rstd = cnp.PyArray_ZEROS(1, &shape, cnp.NPY_FLOAT64, 0)
-    batch_norm_forward(x_array, y, n_outer, n_features, n_inner, _as_float64(gamma),
-                       _as_float64(beta), None if train else _as_float64(running_mean),
-                       None if train else _as_float64(running_var), mean, var, rstd, train,
-                       <double>eps, rows.storage, rows.threads)
+    mean = cnp.PyArray_EMPTY(1, &shape, cnp.NPY_FLOAT64, 0)
+    var = cnp.PyArray_EMPTY(1, &shape, cnp.NPY_FLOAT64, 0) if train else None
+    rstd = cnp.PyArray_EMPTY(1, &shape, cnp.NPY_FLOAT64, 0)
+    batch_norm_forward(x_array, y, n_outer, n_features, n_inner, gamma, beta,
+                       None if train else running_mean, None if train else running_var, mean,
+                       var, rstd, train, <double>eps, rows.storage, rows.threads)
     if train and running_mean is not None:
         _update_running(<cnp.ndarray>running_mean, <double>momentum, mean)
         _update_running(<cnp.ndarray>running_var, <double>momentum, var)
@@ -1330,7 +1371,7 @@ def batch_norm_backward_fast(object dy, object x, object mean, object rstd, obje
         return None
     dx, dgamma, dbeta = outputs
     batch_norm_backward(<cnp.ndarray>dy, x_array, dx, dgamma, dbeta, n_outer, n_features,
-                        n_inner, _as_float64(gamma), mean, rstd, <bint>training, <double>eps,
+                        n_inner, gamma, mean, rstd, <bint>training, <double>eps,
                         rows.storage, rows.threads)
     return outputs
 
