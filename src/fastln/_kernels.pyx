@@ -251,12 +251,16 @@ def set_default_num_threads(int num_threads):
 # The float32 fused adds add x + residual in float (the same bits as in double) when x, residual,
 # the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3 the double loop measured
 # faster (docs/performance.md, "The residual add in float").
+# BatchNorm's forward runs on the calling thread below BN_MIN_ELEMENTS_FOR_THREADED_APPLY: its
+# write pass is one multiply-add per element of data in the caller's cache, so a worker spends
+# more pulling its half across than it saves (docs/performance.md, "BatchNorm's small calls").
 cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
+    BN_MIN_ELEMENTS_FOR_THREADED_APPLY = 3 * MIN_ELEMENTS_FOR_THREADS
     ADD_IN_FLOAT_MAX_BYTES = 8 * 1024 * 1024
 
 
@@ -588,6 +592,8 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     if float_apply:
         call.float_constants = <float*>(_features(scratch, n_features, 7) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
+    if n_elements < BN_MIN_ELEMENTS_FOR_THREADED_APPLY:
+        num_threads = 1
     with nogil:
         if training:
             _run(_task(storage, FASTLN_BN_FIRST_VALUES), &call, 1, 0, 1)
