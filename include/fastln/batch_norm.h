@@ -29,6 +29,10 @@
 #define FASTLN_BN_SEGMENT_BLOCK_ELEMENTS 16384
 #define FASTLN_BN_FEATURE_CHUNK 512
 #define FASTLN_BN_APPLY_ELEMENTS 8192
+/* The backward taking whole features (bn_backward_features_task) prefetches the next feature
+ * when x is large (call->streaming) and its segments are shorter than this: longer ones the
+ * hardware prefetchers follow by themselves. */
+#define FASTLN_BN_PREFETCH_SEGMENT_BYTES 512
 
 /* The rows layout's statistics take rows in groups of this many (fastln/statistics.h,
  * bn_stats_rows): a group of 512-feature float32 rows (one feature chunk) fits L1. */

@@ -469,6 +469,25 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_finish_feature)(const fastln_bn_call 
  * fastln_bn_combine_partials adds the one block), the constants of the same per-feature loops,
  * the same dx. A training feature that the rare path may need (fastln_bn_backward_any_rare)
  * waits: bn_backward_waiting_task writes it after bn_rescale_backward. */
+/* Feature c's dy, x and dx (n_outer segments of n_inner values, a whole sample apart) into
+ * cache, while the feature before it is summed and written: segments this short and this far
+ * apart defeat the hardware prefetchers (docs/performance.md, "BatchNorm's short segments
+ * prefetched"). Only addresses inside the arrays. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_feature)(const fastln_bn_call *call,
+                                                             int64_t c)
+{
+    const int64_t n_inner = call->n_inner, sample = call->n_features * n_inner;
+    const int64_t line_values = 64 / (int64_t)sizeof(FASTLN_T);
+    for (int64_t o = 0; o < call->n_outer; o++) {
+        const int64_t at = o * sample + c * n_inner;
+        for (int64_t j = 0; j < n_inner; j += line_values) {
+            __builtin_prefetch((const FASTLN_T *)call->dy + at + j, 0, 3);
+            __builtin_prefetch((const FASTLN_T *)call->x + at + j, 0, 3);
+            __builtin_prefetch((FASTLN_T *)call->dx + at + j, 1, 3);
+        }
+    }
+}
+
 static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t begin,
                                                    int64_t end)
 {
@@ -476,7 +495,10 @@ static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t b
     const int64_t n = call->n_features, n_inner = call->n_inner;
     const double count = (double)(call->n_outer * n_inner);
     float *head = call->float_constants;
+    const int prefetch = call->streaming
+                         && n_inner * (int64_t)sizeof(FASTLN_T) < FASTLN_BN_PREFETCH_SEGMENT_BYTES;
     for (int64_t c = begin; c < end; c++) {
+        if (prefetch && c + 1 < end) FASTLN_NAME(bn_backward_prefetch_feature)(call, c + 1);
         double sum_dy, sum_dy_d, sum_d;
         FASTLN_NAME(bn_backward_sums_segments)(
             (const FASTLN_T *)call->dy + c * n_inner, (const FASTLN_T *)call->x + c * n_inner,
