@@ -461,14 +461,6 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_finish_feature)(const fastln_bn_call 
         FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * call->n_features + c);
 }
 
-/* The segments layout when each feature's values are one block (fastln_bn_layout, n_blocks =
- * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values, or one sample): a task takes its
- * features through the backward's three phases - sums, constants, dx - one feature at a time,
- * so that the dx pass finds dy and x in cache from the sums (the phases one after the other
- * read them from memory twice). The bits are the phases': the same sums (added to a zero as
- * fastln_bn_combine_partials adds the one block), the constants of the same per-feature loops,
- * the same dx. A training feature that the rare path may need (fastln_bn_backward_any_rare)
- * waits: bn_backward_waiting_task writes it after bn_rescale_backward. */
 /* Feature c's dy, x and dx (n_outer segments of n_inner values, a whole sample apart) into
  * cache, while the feature before it is summed and written: segments this short and this far
  * apart defeat the hardware prefetchers (docs/performance.md, "BatchNorm's short segments
@@ -488,6 +480,14 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_feature)(const fastln_bn_cal
     }
 }
 
+/* The segments layout when each feature's values are one block (fastln_bn_layout, n_blocks =
+ * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values, or one sample): a task takes its
+ * features through the backward's three phases - sums, constants, dx - one feature at a time,
+ * so that the dx pass finds dy and x in cache from the sums (the phases one after the other
+ * read them from memory twice). The bits are the phases': the same sums (added to a zero as
+ * fastln_bn_combine_partials adds the one block), the constants of the same per-feature loops,
+ * the same dx. A training feature that the rare path may need (fastln_bn_backward_any_rare)
+ * waits: bn_backward_waiting_task writes it after bn_rescale_backward. */
 static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t begin,
                                                    int64_t end)
 {

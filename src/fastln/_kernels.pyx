@@ -551,7 +551,7 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
 
     gamma, beta, running_mean, running_var: contiguous float32 or float64 (n_features,) or None
     (running statistics are required when not training). mean, var, rstd: float64
-    (n_features,) outputs (var only when training, else None)."""
+    (n_features,) outputs (var written only when training, and may be None otherwise)."""
     cdef fastln_bn_call call
     cdef double *widened = _widen_room(n_features, gamma, beta, running_mean, running_var)
     cdef double *room = widened
