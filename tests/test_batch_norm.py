@@ -633,6 +633,30 @@ def test_float32_extreme_ranges(rng, size, dy_size, axis):
         _assert_close_at_its_scale(got, want, name, rtol=2e-5)
 
 
+def test_float32_feature_with_tiny_products_is_summed_in_double(rng):
+    """Rows layout: one feature with dy ~ 1e-25 against deviations of 1e-20 (eps = 0), whose
+    dy * (x - mean) is below float's normal range, among ordinary features. Its sums are taken
+    again in double (within 1e-6 of float64 on the same inputs); its neighbours keep the bits
+    they have without it."""
+    x = rng.standard_normal((64, 40)).astype(np.float32)
+    dy = rng.standard_normal((64, 40)).astype(np.float32)
+    x[:, 7] = (1e-20 * rng.standard_normal(64)).astype(np.float32)
+    dy[:, 7] = (1e-25 * rng.standard_normal(64)).astype(np.float32)
+    _, cache = fastln.batch_norm_forward(x, training=True, eps=0.0)
+    dx, dgamma, _ = fastln.batch_norm_backward(dy, cache)
+    _, cache64 = fastln.batch_norm_forward(x.astype(np.float64), training=True, eps=0.0)
+    dx64, dgamma64, _ = fastln.batch_norm_backward(dy.astype(np.float64), cache64)
+    assert np.abs(dx[:, 7] - dx64[:, 7]).max() <= 1e-6 * np.abs(dx64[:, 7]).max()
+    assert abs(dgamma[7] - dgamma64[7]) <= 1e-6 * abs(dgamma64[7])
+    keep = [c for c in range(40) if c != 7]
+    _, cache_keep = fastln.batch_norm_forward(np.ascontiguousarray(x[:, keep]), training=True,
+                                              eps=0.0)
+    dx_keep, dgamma_keep, _ = fastln.batch_norm_backward(np.ascontiguousarray(dy[:, keep]),
+                                                         cache_keep)
+    assert_bitwise_equal(dx[:, keep], dx_keep)
+    assert_bitwise_equal(dgamma[keep], dgamma_keep)
+
+
 def test_reference_gives_inf_not_zero_division_for_a_subnormal_feature_with_eps_zero():
     """The reference's float64 variance of a subnormal spread underflows to 0; with eps = 0 its
     1 / sqrt(0) is inf, as float64 arithmetic has it, not a ZeroDivisionError (the tests above

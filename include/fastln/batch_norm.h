@@ -274,6 +274,36 @@ static inline void fastln_bn_move_sums(float shift, double mean, double count, d
     sums[2] += moved * count;
 }
 
+/* fastln_bn_move_sums for every feature of the rows layout (sums of count values each), in one
+ * loop that runs in vectors (the same operations, a lane per feature). */
+static inline void fastln_bn_move_all_sums(int64_t n, const double *FASTLN_RESTRICT mean,
+                                           double count, const double *FASTLN_RESTRICT sum_dy,
+                                           double *FASTLN_RESTRICT sum_dy_d,
+                                           double *FASTLN_RESTRICT sum_d)
+{
+    for (int64_t c = 0; c < n; c++) {
+        const double moved = (double)(float)mean[c] - mean[c];
+        sum_dy_d[c] += moved * sum_dy[c];
+        sum_d[c] += moved * count;
+    }
+}
+
+/* Whether any feature's moved float sums may fail LayerNorm's rule (bn_backward_rows_hold's
+ * tests, without their all-zero dy escape: a superset, in one pass without branches, so that
+ * the common call skips the per-feature loop; see fastln_bn_backward_any_rare). */
+static inline int fastln_bn_any_float_sums_doubtful(int64_t n, double count,
+                                                    const double *FASTLN_RESTRICT sum_dy,
+                                                    const double *FASTLN_RESTRICT sum_dy_d,
+                                                    const double *FASTLN_RESTRICT sum_d)
+{
+    const double tiny = count * count * FLT_MIN;
+    int any = 0;
+    for (int64_t c = 0; c < n; c++)
+        any |= !isless(fabs(sum_dy[c]), INFINITY) | !isless(fabs(sum_d[c]), INFINITY)
+               | !isless(fabs(sum_dy_d[c]), INFINITY) | isless(fabs(sum_dy_d[c]), tiny);
+    return any;
+}
+
 static inline void fastln_bn_backward_constants(const fastln_bn_call *call)
 {
     fastln_bn_backward_constants_of(

@@ -377,19 +377,20 @@ static void FASTLN_NAME(bn_backward_constants_task)(const void *opaque, int64_t 
     fastln_bn_combine_partials(call->partials + 2 * n_partials, call->n_blocks, call->n_features,
                                call->sum_d);
 #if FASTLN_COMPUTE_F32
-    if (call->n_inner == 1) /* the rows' float sums (bn_backward_float_rows): around the float
-                             * nearest each mean, moved to the mean in double (exactly: shift -
-                             * mean is exact), then held to LayerNorm's rule */
-        for (int64_t c = 0; c < call->n_features; c++) {
-            double sums[3] = {call->sum_dy[c], call->sum_dy_d[c], call->sum_d[c]};
-            fastln_bn_move_sums((float)call->mean[c], call->mean[c], (double)call->n_outer,
-                                sums);
-            call->sum_dy_d[c] = sums[1];
-            call->sum_d[c] = sums[2];
-            FASTLN_NAME(bn_backward_rows_hold)(call->dy, call->x, call->n_outer, call->n_features,
-                                               c, call->mean[c], call->sum_dy + c,
-                                               call->sum_dy_d + c, call->sum_d + c);
-        }
+    if (call->n_inner == 1) { /* the rows' float sums (bn_backward_float_rows): around the
+                               * float nearest each mean, moved to the mean in double (exactly:
+                               * shift - mean is exact), then held to LayerNorm's rule */
+        const double count = (double)call->n_outer;
+        fastln_bn_move_all_sums(call->n_features, call->mean, count, call->sum_dy,
+                                call->sum_dy_d, call->sum_d);
+        if (fastln_bn_any_float_sums_doubtful(call->n_features, count, call->sum_dy,
+                                              call->sum_dy_d, call->sum_d))
+            for (int64_t c = 0; c < call->n_features; c++)
+                FASTLN_NAME(bn_backward_rows_hold)(call->dy, call->x, call->n_outer,
+                                                   call->n_features, c, call->mean[c],
+                                                   call->sum_dy + c, call->sum_dy_d + c,
+                                                   call->sum_d + c);
+    }
 #endif
     fastln_bn_backward_constants(call);
     *call->n_finish = 0;
