@@ -218,7 +218,7 @@ FASTLN_INLINE int FASTLN_NAME(floats_hold_runs)(const FASTLN_T *dy, int64_t n_ru
 {
     if (!isfinite(products)) return 0;
     const double n = (double)(n_runs * width);
-    if (!(fabs(products) < n * n * FLT_MIN)) return 1;
+    if (!(fabs(products) < fastln_products_floor(n))) return 1;
     for (int64_t r = 0; r < n_runs; r++)
         for (int64_t j = 0; j < width; j++)
             if (FASTLN_NAME(to_compute)(dy[r * stride + j]) != 0) return 0;
@@ -1376,7 +1376,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_float_chunk)(
         FASTLN_UNROLL
         for (int j = 0; j < n_vectors; j++) {
             const int64_t at = r * row_stride + c + j * FASTLN_VF_LANES;
-            if (prefetch && j * FASTLN_VF_LANES * (int)sizeof(FASTLN_T) % 64 == 0) {
+            if (prefetch && j * FASTLN_VF_LANES % FASTLN_LINE == 0) {
                 FASTLN_PREFETCH_RUNS_AHEAD(dy + at, FASTLN_BN_BACKWARD_ROW_GROUP, row_stride);
                 FASTLN_PREFETCH_RUNS_AHEAD(x + at, FASTLN_BN_BACKWARD_ROW_GROUP, row_stride);
             }

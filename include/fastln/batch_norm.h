@@ -282,9 +282,10 @@ static inline void fastln_bn_move_all_sums(int64_t n, const double *FASTLN_RESTR
                                            double *FASTLN_RESTRICT sum_d)
 {
     for (int64_t c = 0; c < n; c++) {
-        const double moved = (double)(float)mean[c] - mean[c];
-        sum_dy_d[c] += moved * sum_dy[c];
-        sum_d[c] += moved * count;
+        double sums[3] = {sum_dy[c], sum_dy_d[c], sum_d[c]};
+        fastln_bn_move_sums((float)mean[c], mean[c], count, sums);
+        sum_dy_d[c] = sums[1];
+        sum_d[c] = sums[2];
     }
 }
 
@@ -296,7 +297,7 @@ static inline int fastln_bn_any_float_sums_doubtful(int64_t n, double count,
                                                     const double *FASTLN_RESTRICT sum_dy_d,
                                                     const double *FASTLN_RESTRICT sum_d)
 {
-    const double tiny = count * count * FLT_MIN;
+    const double tiny = fastln_products_floor(count);
     int any = 0;
     for (int64_t c = 0; c < n; c++)
         any |= !isless(fabs(sum_dy[c]), INFINITY) | !isless(fabs(sum_d[c]), INFINITY)

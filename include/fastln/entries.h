@@ -470,10 +470,9 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_feature)(const fastln_bn_cal
                                                              int64_t c)
 {
     const int64_t n_inner = call->n_inner, sample = call->n_features * n_inner;
-    const int64_t line_values = 64 / (int64_t)sizeof(FASTLN_T);
     for (int64_t o = 0; o < call->n_outer; o++) {
         const int64_t at = o * sample + c * n_inner;
-        for (int64_t j = 0; j < n_inner; j += line_values) {
+        for (int64_t j = 0; j < n_inner; j += FASTLN_LINE) {
             __builtin_prefetch((const FASTLN_T *)call->dy + at + j, 0, 3);
             __builtin_prefetch((const FASTLN_T *)call->x + at + j, 0, 3);
             __builtin_prefetch((FASTLN_T *)call->dx + at + j, 1, 3);

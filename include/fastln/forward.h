@@ -343,10 +343,10 @@ FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *res
 #if FASTLN_COMPUTE_F32
     /* Without bias, the sum in float has the same bits: the double sum of two floats rounded to
      * float is their float sum (53 >= 2 * 24 + 2 bits: the double rounding is innocuous), and for
-     * the half formats the double sum is exact. The half formats always take it; float32 when
-     * in_float says the call is in cache: with rows from L3 the double loop came out faster
-     * (docs/performance.md, "The residual add in float"). */
-    if (!bias && (in_float || FASTLN_STORAGE != FASTLN_FLOAT32)) {
+     * the half formats the double sum is exact. in_float (call->add_in_float) says whether the
+     * call takes it: always for the half formats, for float32 only in cache (with rows from L3
+     * the double loop came out faster: docs/performance.md, "The residual add in float"). */
+    if (!bias && in_float) {
         for (; i + FASTLN_VF_LANES <= n_cols; i += FASTLN_VF_LANES)
             FASTLN_NAME(store_c)(s + i, FASTLN_NAME(load_c)(x + i)
                                             + FASTLN_NAME(load_c)(residual + i));

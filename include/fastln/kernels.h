@@ -93,9 +93,9 @@ typedef struct {
                                       * groups of FASTLN_BACKWARD_GROUP (dy, x and dx beyond the
                                       * cache: a row's two passes then overlap the next row's
                                       * loads better; docs/performance.md) */
-    int add_in_float;                /* the fused adds, float32: x + residual in float (the
-                                      * call's arrays in cache; else in double, which measured
-                                      * faster from L3; the half formats always in float) */
+    int add_in_float;                /* the fused adds: x + residual in float (the half
+                                      * formats always; float32 with the call's arrays in
+                                      * cache, else in double, which measured faster from L3) */
     /* Backwards: row blocks of rows_per_block rows, each with its own zeroed partial sums (one
      * or two rows of n_cols doubles: dgamma, then dbeta) and, for the float32-compute types, its
      * own zeroed float accumulators (two rows of n_cols); the column sums go to dgamma and dbeta
@@ -179,6 +179,14 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
  * GroupNorm's two passes"). */
 #define FASTLN_PREFETCH_RUNS_AHEAD(at, run_rows, row_stride)                                   \
     __builtin_prefetch((at) + 2 * (run_rows) * (row_stride), 0, 2)
+
+/* The backward's float sums of n products dy * d stand (LayerNorm's rule, floats_hold_runs)
+ * when sum(dy * d) is at least this: below, products under float's normal range, which keep
+ * only a few bits, could matter. */
+static inline double fastln_products_floor(double n)
+{
+    return n * n * FLT_MIN;
+}
 
 #include "fastln/batch_norm.h"
 

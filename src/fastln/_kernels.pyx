@@ -248,10 +248,10 @@ def set_default_num_threads(int num_threads):
 # a group at a time (its sums, then its dx from cache) when the group's dy and x together are at
 # most GN_MAX_GROUP_BYTES_IN_CACHE; larger groups would be read from memory twice either way,
 # and the piece phases stream better.
-# The float32 fused adds add x + residual in float (the same bits as in double) when x, residual,
-# the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3 the double loop measured
-# faster (docs/performance.md, "The residual add in float").
-# BatchNorm's forward runs on the calling thread below BN_MIN_ELEMENTS_FOR_THREADED_APPLY: its
+# The fused adds add x + residual in float (the same bits as in double): the half formats always,
+# float32 when x, residual, the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3
+# the double loop measured faster (docs/performance.md, "The residual add in float").
+# BatchNorm's forward runs on the calling thread below BN_FORWARD_MIN_ELEMENTS_FOR_THREADS: its
 # write pass is one multiply-add per element of data in the caller's cache, so a worker spends
 # more pulling its half across than it saves (docs/performance.md, "BatchNorm's small calls").
 cdef enum:
@@ -260,7 +260,7 @@ cdef enum:
     MAX_ROW_BYTES_ALONE = 8 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
-    BN_MIN_ELEMENTS_FOR_THREADED_APPLY = 3 * MIN_ELEMENTS_FOR_THREADS
+    BN_FORWARD_MIN_ELEMENTS_FOR_THREADS = 3 * MIN_ELEMENTS_FOR_THREADS
     ADD_IN_FLOAT_MAX_BYTES = 8 * 1024 * 1024
 
 
@@ -376,7 +376,8 @@ cdef inline void _add_norm_forward(int op, fastln_rows_call *call, object residu
                                    object bias, object gamma, object beta, object s, object y,
                                    object mean, object rstd, int storage, int num_threads):
     call.streaming = 0  # y is written while the row is in cache
-    call.add_in_float = 4 * cnp.PyArray_NBYTES(<cnp.ndarray>s) <= ADD_IN_FLOAT_MAX_BYTES
+    call.add_in_float = (storage in (FASTLN_FLOAT16, FASTLN_BFLOAT16)
+                         or 4 * cnp.PyArray_NBYTES(<cnp.ndarray>s) <= ADD_IN_FLOAT_MAX_BYTES)
     call.residual = _data(residual)
     call.bias = _data(bias)
     call.gamma = _data(gamma)
@@ -592,7 +593,7 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     if float_apply:
         call.float_constants = <float*>(_features(scratch, n_features, 7) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
-    if n_elements < BN_MIN_ELEMENTS_FOR_THREADED_APPLY:
+    if n_elements < BN_FORWARD_MIN_ELEMENTS_FOR_THREADS:
         num_threads = 1
     with nogil:
         if training:
