@@ -180,3 +180,29 @@ def test_evaluation_gives_the_same_bits_in_both_layouts(rng, offset):
     with np.errstate(over="ignore"):
         rows, segments = norm(x, "rows", **kwargs), norm(x, "segments", **kwargs)
     assert_bitwise_equal(segments, rows)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_each_row_is_its_own_computation_in_evaluation(rng, dtype):
+    """The rows layout's write passes take rows in groups (fastln/forward.h,
+    bn_apply_group_float): in evaluation y and dx of each row must be the bits of that row
+    normalized alone, also for the rows grouped with one holding Inf, NaN or a value whose float
+    result overflows (computed in double), and whatever the row count's remainder."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    x = (1e3 + 50 * rng.standard_normal((11, 37))).astype(dtype)
+    x[5, 3], x[5, 20], x[2, 30] = np.inf, np.nan, x.dtype.type(6e4)
+    dy = rng.standard_normal((11, 37)).astype(dtype)
+    dy[9, 8] = -np.inf
+    gamma = (1e3 * rng.standard_normal(37)).astype(np.float32)
+    beta = rng.standard_normal(37).astype(np.float32)
+    stats = dict(running_mean=1e3 + rng.standard_normal(37), running_var=rng.random(37) + 0.5)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y, cache = fastln.batch_norm_forward(x, gamma, beta, training=False, **stats)
+        dx, _, _ = fastln.batch_norm_backward(dy, cache, gamma)
+        for r in range(len(x)):
+            y_row, cache_row = fastln.batch_norm_forward(x[r:r + 1], gamma, beta,
+                                                         training=False, **stats)
+            dx_row, _, _ = fastln.batch_norm_backward(dy[r:r + 1], cache_row, gamma)
+            assert_bitwise_equal(y[r:r + 1], y_row)
+            assert_bitwise_equal(dx[r:r + 1], dx_row)

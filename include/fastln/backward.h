@@ -1777,62 +1777,113 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_store_float)(const FASTLN_T *dy, cons
  * (fastln_bn_backward_float_constants); each element whose float result is not finite, and
  * every element of a feature whose constants float cannot hold (k is NaN), is computed in
  * double from its dy and x (the vector is not stored yet, also when dx is dy). */
-FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
-    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
-    const fastln_bn_call *call, const int streaming)
+
+/* One element's float dx (the row's last elements). */
+FASTLN_INLINE float FASTLN_NAME(bn_backward_float1)(FASTLN_T dy, FASTLN_T x, const float *constants,
+                                                    int64_t n, int64_t at, int training)
+{
+    const float g = FASTLN_NAME(to_compute)(dy);
+    const float k = constants[2 * n + at];
+    if (!training) return g * k;
+    const float centred = (FASTLN_NAME(to_compute)(x) - constants[at]) - constants[n + at];
+    return k * ((g - constants[3 * n + at]) - centred * constants[4 * n + at]);
+}
+
+/* One row's last (< VF_LANES) elements, from column c, in 16-byte pieces. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_row_end)(const FASTLN_T *dy_row, const FASTLN_T *x_row,
+                                                    FASTLN_T *dx_row, int64_t c,
+                                                    const fastln_bn_call *call,
+                                                    const int streaming)
+{
+    const int64_t n = call->n_features;
+    FASTLN_T last[FASTLN_STEP];
+    for (int64_t l = 0; c + l < n; l++) {
+        const int64_t at = c + l;
+        const float v = FASTLN_NAME(bn_backward_float1)(dy_row[at], x_row[at],
+                                                        call->float_constants, n, at,
+                                                        call->training);
+        last[l] = FASTLN_NAME(bn_backward_element)(dy_row[at], x_row[at], v, call, at);
+    }
+    FASTLN_NAME(store_elements_to)(dx_row + c, last, n - c, streaming);
+}
+
+/* n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped) a vector of columns at a time: each
+ * vector of constants is loaded once for all the rows, and a group's vectors are tested for Inf
+ * and NaN together before any is stored (as the forward's bn_apply_group_float). */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_float_block)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, const int n_rows,
+    const fastln_bn_call *call, const int training, const int streaming)
 {
     const int64_t n = call->n_features;
     const float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
     const float *mean_dy = head + 3 * n, *coef = head + 4 * n;
-    const int training = call->training;
-    for (int64_t r = 0; r < n_rows; r++) {
-        const FASTLN_T *dy_row = dy + r * n, *x_row = x + r * n;
-        FASTLN_T *dx_row = dx + r * n;
-        int64_t c = 0;
-        for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
-            const FASTLN_VF g = FASTLN_NAME(load_c)(dy_row + c);
-            FASTLN_VF v;
-            if (training) {
+    int64_t c = 0;
+    for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
+        FASTLN_VF v[FASTLN_BN_APPLY_GROUP];
+        const FASTLN_VF k_v = FASTLN_ISA(load_f32)(k + c);
+        if (training) {
+            const FASTLN_VF head_v = FASTLN_ISA(load_f32)(head + c);
+            const FASTLN_VF tail_v = FASTLN_ISA(load_f32)(tail + c);
+            const FASTLN_VF mean_dy_v = FASTLN_ISA(load_f32)(mean_dy + c);
+            const FASTLN_VF coef_v = FASTLN_ISA(load_f32)(coef + c);
+            FASTLN_UNROLL
+            for (int r = 0; r < n_rows; r++) {
                 const FASTLN_VF centred =
-                    (FASTLN_NAME(load_c)(x_row + c) - FASTLN_ISA(load_f32)(head + c))
-                    - FASTLN_ISA(load_f32)(tail + c);
-                v = FASTLN_ISA(load_f32)(k + c)
-                    * ((g - FASTLN_ISA(load_f32)(mean_dy + c))
-                       - centred * FASTLN_ISA(load_f32)(coef + c));
-            } else {
-                v = g * FASTLN_ISA(load_f32)(k + c);
+                    (FASTLN_NAME(load_c)(x + r * n + c) - head_v) - tail_v;
+                v[r] = k_v * ((FASTLN_NAME(load_c)(dy + r * n + c) - mean_dy_v)
+                              - centred * coef_v);
             }
-            FASTLN_NAME(bn_backward_store_float)(dy_row + c, x_row + c, dx_row + c, v, call, c, 1,
-                                                 streaming);
+        } else {
+            FASTLN_UNROLL
+            for (int r = 0; r < n_rows; r++) v[r] = FASTLN_NAME(load_c)(dy + r * n + c) * k_v;
         }
-        FASTLN_T last[FASTLN_STEP]; /* the row's last (< VF_LANES) elements, in 16-byte pieces */
-        for (int64_t l = 0; c + l < n; l++) {
-            const int64_t at = c + l;
-            const float g = FASTLN_NAME(to_compute)(dy_row[at]);
-            float v;
-            if (training) {
-                const float centred = (FASTLN_NAME(to_compute)(x_row[at]) - head[at]) - tail[at];
-                v = k[at] * ((g - mean_dy[at]) - centred * coef[at]);
-            } else {
-                v = g * k[at];
-            }
-            last[l] = FASTLN_NAME(bn_backward_element)(dy_row[at], x_row[at], v, call, at);
+        if (__builtin_expect(FASTLN_ISA(any_not_finite_of)(v, n_rows), 0)) {
+            for (int r = 0; r < n_rows; r++)
+                FASTLN_NAME(bn_backward_store_float)(dy + r * n + c, x + r * n + c,
+                                                     dx + r * n + c, v[r], call, c, 1,
+                                                     streaming);
+        } else {
+            FASTLN_UNROLL
+            for (int r = 0; r < n_rows; r++)
+                FASTLN_NAME(store_c_to)(dx + r * n + c, v[r], streaming);
         }
-        FASTLN_NAME(store_elements_to)(dx_row + c, last, n - c, streaming);
     }
+    if (c < n)
+        for (int r = 0; r < n_rows; r++)
+            FASTLN_NAME(bn_backward_row_end)(dy + r * n, x + r * n, dx + r * n, c, call,
+                                             streaming);
+}
+
+FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
+    const fastln_bn_call *call, const int store)
+{
+    const int streaming = store == FASTLN_ROWS_STREAMED;
+    const int64_t n = call->n_features;
+    const int training = call->training;
+    int64_t r = 0;
+    if (store == FASTLN_ROWS_GROUPED)
+        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP)
+            FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n,
+                                                       FASTLN_BN_APPLY_GROUP, call, training, 0);
+    for (; r < n_rows; r++)
+        FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 1, call,
+                                                   training, streaming);
     if (streaming) fastln_streaming_fence();
 }
 
-/* With streaming set, dx (16-byte aligned, and so each row) goes out with non-temporal
- * stores. */
+/* store as for the forward's bn_apply_rows_float (dx streamed: 16-byte aligned, and so each
+ * row). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows_float)(
     const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
-    const fastln_bn_call *call, int streaming)
+    const fastln_bn_call *call, int store)
 {
-    if (streaming)
-        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, 1);
+    if (store == FASTLN_ROWS_STREAMED)
+        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, FASTLN_ROWS_STREAMED);
+    else if (store == FASTLN_ROWS_GROUPED)
+        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, FASTLN_ROWS_GROUPED);
     else
-        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, 0);
+        FASTLN_NAME(bn_backward_apply_rows_float_to)(dy, x, dx, n_rows, call, FASTLN_ROWS_ALONE);
 }
 #endif
 

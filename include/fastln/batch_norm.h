@@ -29,6 +29,20 @@
 #define FASTLN_BN_SEGMENT_BLOCK_ELEMENTS 16384
 #define FASTLN_BN_FEATURE_CHUNK 512
 #define FASTLN_BN_APPLY_ELEMENTS 8192
+/* How the rows layout's float write passes (BatchNorm's forward and backward, channels-last
+ * GroupNorm: fastln/forward.h, bn_apply_rows_float) go over their rows: one at a time with plain
+ * stores, one at a time with non-temporal stores (streamed outputs), or in groups of
+ * FASTLN_BN_APPLY_GROUP rows with plain stores, for inputs below FASTLN_BN_GROUP_MAX_BYTES
+ * (from memory the group's interleaved rows measured slower than one row at a time). */
+enum { FASTLN_ROWS_ALONE = 0, FASTLN_ROWS_STREAMED = 1, FASTLN_ROWS_GROUPED = 2 };
+#define FASTLN_BN_APPLY_GROUP 4
+#define FASTLN_BN_GROUP_MAX_BYTES (8 * 1024 * 1024)
+
+static inline int fastln_rows_store(int streaming, int64_t input_bytes)
+{
+    if (streaming) return FASTLN_ROWS_STREAMED;
+    return input_bytes < FASTLN_BN_GROUP_MAX_BYTES ? FASTLN_ROWS_GROUPED : FASTLN_ROWS_ALONE;
+}
 /* The backward taking whole features (bn_backward_features_task) prefetches the next feature
  * when x is large (call->streaming) and its segments are shorter than this: longer ones the
  * hardware prefetchers follow by themselves. */

@@ -280,6 +280,9 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
     /* Non-temporal stores need every row 16-byte aligned. */
     const int rows_aligned = fastln_is_aligned16(y)
                              && call->n_features * (int64_t)sizeof(FASTLN_T) % 16 == 0;
+    const int store = fastln_rows_store(
+        call->streaming && rows_aligned,
+        call->n_outer * call->n_features * call->n_inner * (int64_t)sizeof(FASTLN_T));
 #endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner == 1) {
@@ -289,7 +292,7 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
 #if FASTLN_COMPUTE_F32
             if (head) {
                 FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call->n_features,
-                                                 &k, call->streaming && rows_aligned);
+                                                 &k, store);
                 continue;
             }
 #endif
@@ -430,6 +433,8 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
     /* Non-temporal stores need every row 16-byte aligned. */
     const int streaming = call->streaming && fastln_is_aligned16(dx)
                           && call->n_features * (int64_t)sizeof(FASTLN_T) % 16 == 0;
+    const int store = fastln_rows_store(
+        streaming, call->n_outer * call->n_features * (int64_t)sizeof(FASTLN_T));
 #endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner > 1) {
@@ -442,7 +447,7 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
 #if FASTLN_COMPUTE_F32
         if (call->float_constants) {
             FASTLN_NAME(bn_backward_apply_rows_float)(dy + offset, x + offset, dx + offset,
-                                                      n_rows, call, streaming);
+                                                      n_rows, call, store);
             continue;
         }
 #endif
@@ -741,10 +746,10 @@ FASTLN_INLINE int FASTLN_NAME(gn_sample_has_rare)(const fastln_gn_call *call, in
 
 /* Channels last: channels [first, first + width) of sample n's rows (n_rows rows of width
  * values, width apart), with their write constants: in float for the float32-compute types
- * (bn_apply_rows_float, y with non-temporal stores when streaming), in double for float64. */
+ * (bn_apply_rows_float, its rows stored as `store` says), in double for float64. */
 FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, int64_t n,
                                                   int64_t first, int64_t width, const FASTLN_T *x,
-                                                  FASTLN_T *y, int64_t n_rows, int streaming)
+                                                  FASTLN_T *y, int64_t n_rows, int store)
 {
     const int64_t n_channel_values = call->n_samples * call->n_channels;
     const double *shift = call->channel_scratch + n * call->n_channels + first;
@@ -754,9 +759,9 @@ FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, in
     const float *head = fastln_gn_float_constants(call) + n * call->n_channels + first;
     const fastln_rows_constants k = {head, head + n_channel_values, head + 2 * n_channel_values,
                                      head + 3 * n_channel_values, shift, center, scale, offset};
-    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, streaming);
+    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, store);
 #else
-    (void)streaming;
+    (void)store;
     FASTLN_NAME(bn_apply_rows)(x, y, n_rows, width, shift, center, scale, offset);
 #endif
 }
@@ -784,8 +789,9 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
             /* Non-temporal stores need every row 16-byte aligned. */
             const int streaming = call->streaming && fastln_is_aligned16(y + offset)
                                   && C * (int64_t)sizeof(FASTLN_T) % 16 == 0;
-            FASTLN_NAME(gn_apply_channels)(call, n, 0, C, x + offset, y + offset, n_rows,
-                                           streaming);
+            const int store = fastln_rows_store(
+                streaming, call->n_samples * call->n_spatial * C * (int64_t)sizeof(FASTLN_T));
+            FASTLN_NAME(gn_apply_channels)(call, n, 0, C, x + offset, y + offset, n_rows, store);
             continue;
         }
         /* A sample with a rare group: its other groups one by one, each as above. */
@@ -794,7 +800,7 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
                 if (call->rare[n * call->n_groups + g]) continue;
                 const int64_t at = offset + r * C + g * per_group;
                 FASTLN_NAME(gn_apply_channels)(call, n, g * per_group, per_group, x + at, y + at,
-                                               1, 0);
+                                               1, FASTLN_ROWS_ALONE);
             }
     }
 }

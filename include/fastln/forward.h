@@ -458,15 +458,69 @@ FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, F
  * u32 of the double computation. Each element whose float result is Inf or NaN (every element
  * of a feature whose constants float cannot hold: its scale is NaN) is computed in double
  * instead, from its x (not yet overwritten when y is x): the rule is per element, so a
- * feature's results never depend on its neighbours. With streaming set, y (16-byte aligned,
- * and so each row) goes out with non-temporal stores. */
+ * feature's results never depend on its neighbours, nor on how rows are grouped below. */
+
+/* One row's last (< VF_LANES) elements, from column c, in 16-byte pieces. */
+FASTLN_INLINE void FASTLN_NAME(bn_apply_row_end)(const FASTLN_T *row, FASTLN_T *out, int64_t c,
+                                                 int64_t n, const fastln_rows_constants *k,
+                                                 const int streaming)
+{
+    const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
+    FASTLN_T last[FASTLN_STEP];
+    for (int64_t l = 0; c + l < n; l++) {
+        const int64_t at = c + l;
+        const float v = ((FASTLN_NAME(to_compute)(row[at]) - head[at]) - tail[at]) * scale[at]
+                        + offset[at];
+        last[l] = FASTLN_NAME(bn_apply_element)(row[at], v, k, at);
+    }
+    FASTLN_NAME(store_elements_to)(out + c, last, n - c, streaming);
+}
+
+/* FASTLN_BN_APPLY_GROUP rows at a time: each vector of constants is loaded once for the group's
+ * rows (one row at a time, the four constant loads per vector of x were what bound the pass in
+ * cache), and the group's vectors are tested for Inf and NaN together before any is stored.
+ * Not for streamed outputs: non-temporal stores spread over the group's rows leave each row's
+ * write-combining buffer part full between stores (twice the time measured). */
+FASTLN_INLINE void FASTLN_NAME(bn_apply_group_float)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
+                                                    const fastln_rows_constants *k)
+{
+    const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
+    int64_t c = 0;
+    for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
+        const FASTLN_VF head_v = FASTLN_ISA(load_f32)(head + c);
+        const FASTLN_VF tail_v = FASTLN_ISA(load_f32)(tail + c);
+        const FASTLN_VF scale_v = FASTLN_ISA(load_f32)(scale + c);
+        const FASTLN_VF offset_v = FASTLN_ISA(load_f32)(offset + c);
+        FASTLN_VF v[FASTLN_BN_APPLY_GROUP];
+        FASTLN_UNROLL
+        for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
+            v[r] = ((FASTLN_NAME(load_c)(x + r * n + c) - head_v) - tail_v) * scale_v + offset_v;
+        if (__builtin_expect(FASTLN_ISA(any_not_finite_of)(v, FASTLN_BN_APPLY_GROUP), 0)) {
+            for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
+                FASTLN_NAME(bn_store_float)(x + r * n + c, y + r * n + c, v[r], k, c, 1, 0);
+        } else {
+            FASTLN_UNROLL
+            for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
+                FASTLN_NAME(store_c)(y + r * n + c, v[r]);
+        }
+    }
+    if (c < n)
+        for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
+            FASTLN_NAME(bn_apply_row_end)(x + r * n, y + r * n, c, n, k, 0);
+}
+
 FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN_T *y,
                                                       int64_t n_rows, int64_t n,
                                                       const fastln_rows_constants *k,
-                                                      const int streaming)
+                                                      const int store)
 {
+    const int streaming = store == FASTLN_ROWS_STREAMED;
     const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
-    for (int64_t r = 0; r < n_rows; r++) {
+    int64_t r = 0;
+    if (store == FASTLN_ROWS_GROUPED)
+        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP)
+            FASTLN_NAME(bn_apply_group_float)(x + r * n, y + r * n, n, k);
+    for (; r < n_rows; r++) {
         const FASTLN_T *row = x + r * n;
         FASTLN_T *out = y + r * n;
         int64_t c = 0;
@@ -478,28 +532,23 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
                 + FASTLN_ISA(load_f32)(offset + c);
             FASTLN_NAME(bn_store_float)(row + c, out + c, v, k, c, 1, streaming);
         }
-        FASTLN_T last[FASTLN_STEP]; /* the row's last (< VF_LANES) elements, in 16-byte pieces */
-        for (int64_t l = 0; c + l < n; l++) {
-            const int64_t at = c + l;
-            const float v = ((FASTLN_NAME(to_compute)(row[at]) - head[at]) - tail[at])
-                                * scale[at]
-                            + offset[at];
-            last[l] = FASTLN_NAME(bn_apply_element)(row[at], v, k, at);
-        }
-        FASTLN_NAME(store_elements_to)(out + c, last, n - c, streaming);
+        if (c < n) FASTLN_NAME(bn_apply_row_end)(row, out, c, n, k, streaming);
     }
     if (streaming) fastln_streaming_fence();
 }
 
+/* store: FASTLN_ROWS_ALONE, _STREAMED (y 16-byte aligned, and so each row) or _GROUPED
+ * (fastln/batch_norm.h, fastln_rows_store). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_T *y,
                                                      int64_t n_rows, int64_t n,
-                                                     const fastln_rows_constants *k,
-                                                     int streaming)
+                                                     const fastln_rows_constants *k, int store)
 {
-    if (streaming)
-        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, 1);
+    if (store == FASTLN_ROWS_STREAMED)
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_STREAMED);
+    else if (store == FASTLN_ROWS_GROUPED)
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_GROUPED);
     else
-        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, 0);
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_ALONE);
 }
 #endif
 
