@@ -1796,12 +1796,13 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_row_end)(const FASTLN_T *dy_row, cons
                                                     const int streaming)
 {
     const int64_t n = call->n_features;
+    const float *constants = call->float_constants;
+    const int training = call->training;
     FASTLN_T last[FASTLN_STEP];
     for (int64_t l = 0; c + l < n; l++) {
         const int64_t at = c + l;
-        const float v = FASTLN_NAME(bn_backward_float1)(dy_row[at], x_row[at],
-                                                        call->float_constants, n, at,
-                                                        call->training);
+        const float v = FASTLN_NAME(bn_backward_float1)(dy_row[at], x_row[at], constants, n, at,
+                                                        training);
         last[l] = FASTLN_NAME(bn_backward_element)(dy_row[at], x_row[at], v, call, at);
     }
     FASTLN_NAME(store_elements_to)(dx_row + c, last, n - c, streaming);
@@ -1809,12 +1810,13 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_row_end)(const FASTLN_T *dy_row, cons
 
 /* n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped) a vector of columns at a time: each
  * vector of constants is loaded once for all the rows, and a group's vectors are tested for Inf
- * and NaN together before any is stored (as the forward's bn_apply_group_float). */
+ * and NaN together before any is stored (as the forward's bn_apply_float_block). */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_float_block)(
     const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, const int n_rows,
-    const fastln_bn_call *call, const int training, const int streaming)
+    const fastln_bn_call *call, const int streaming)
 {
     const int64_t n = call->n_features;
+    const int training = call->training;
     const float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
     const float *mean_dy = head + 3 * n, *coef = head + 4 * n;
     int64_t c = 0;
@@ -1860,15 +1862,14 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
 {
     const int streaming = store == FASTLN_ROWS_STREAMED;
     const int64_t n = call->n_features;
-    const int training = call->training;
     int64_t r = 0;
     if (store == FASTLN_ROWS_GROUPED)
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP)
             FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n,
-                                                       FASTLN_BN_APPLY_GROUP, call, training, 0);
+                                                       FASTLN_BN_APPLY_GROUP, call, 0);
     for (; r < n_rows; r++)
         FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 1, call,
-                                                   training, streaming);
+                                                   streaming);
     if (streaming) fastln_streaming_fence();
 }
 

@@ -476,13 +476,16 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_row_end)(const FASTLN_T *row, FASTLN_T *
     FASTLN_NAME(store_elements_to)(out + c, last, n - c, streaming);
 }
 
-/* FASTLN_BN_APPLY_GROUP rows at a time: each vector of constants is loaded once for the group's
- * rows (one row at a time, the four constant loads per vector of x were what bound the pass in
- * cache), and the group's vectors are tested for Inf and NaN together before any is stored.
- * Not for streamed outputs: non-temporal stores spread over the group's rows leave each row's
- * write-combining buffer part full between stores (twice the time measured). */
-FASTLN_INLINE void FASTLN_NAME(bn_apply_group_float)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
-                                                    const fastln_rows_constants *k)
+/* n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped) a vector of columns at a time: each
+ * vector of constants is loaded once for all the rows (one row at a time, the four constant
+ * loads per vector of x were what bound the pass in cache), and the rows' vectors are tested
+ * for Inf and NaN together before any is stored. Groups are not for streamed outputs:
+ * non-temporal stores spread over the group's rows leave each row's write-combining buffer part
+ * full between stores (twice the time measured). */
+FASTLN_INLINE void FASTLN_NAME(bn_apply_float_block)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
+                                                    const int n_rows,
+                                                    const fastln_rows_constants *k,
+                                                    const int streaming)
 {
     const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
     int64_t c = 0;
@@ -493,20 +496,21 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_group_float)(const FASTLN_T *x, FASTLN_T
         const FASTLN_VF offset_v = FASTLN_ISA(load_f32)(offset + c);
         FASTLN_VF v[FASTLN_BN_APPLY_GROUP];
         FASTLN_UNROLL
-        for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
+        for (int r = 0; r < n_rows; r++)
             v[r] = ((FASTLN_NAME(load_c)(x + r * n + c) - head_v) - tail_v) * scale_v + offset_v;
-        if (__builtin_expect(FASTLN_ISA(any_not_finite_of)(v, FASTLN_BN_APPLY_GROUP), 0)) {
-            for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
-                FASTLN_NAME(bn_store_float)(x + r * n + c, y + r * n + c, v[r], k, c, 1, 0);
+        if (__builtin_expect(FASTLN_ISA(any_not_finite_of)(v, n_rows), 0)) {
+            for (int r = 0; r < n_rows; r++)
+                FASTLN_NAME(bn_store_float)(x + r * n + c, y + r * n + c, v[r], k, c, 1,
+                                            streaming);
         } else {
             FASTLN_UNROLL
-            for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
-                FASTLN_NAME(store_c)(y + r * n + c, v[r]);
+            for (int r = 0; r < n_rows; r++)
+                FASTLN_NAME(store_c_to)(y + r * n + c, v[r], streaming);
         }
     }
     if (c < n)
-        for (int r = 0; r < FASTLN_BN_APPLY_GROUP; r++)
-            FASTLN_NAME(bn_apply_row_end)(x + r * n, y + r * n, c, n, k, 0);
+        for (int r = 0; r < n_rows; r++)
+            FASTLN_NAME(bn_apply_row_end)(x + r * n, y + r * n, c, n, k, streaming);
 }
 
 FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN_T *y,
@@ -515,25 +519,13 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
                                                       const int store)
 {
     const int streaming = store == FASTLN_ROWS_STREAMED;
-    const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
     int64_t r = 0;
     if (store == FASTLN_ROWS_GROUPED)
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP)
-            FASTLN_NAME(bn_apply_group_float)(x + r * n, y + r * n, n, k);
-    for (; r < n_rows; r++) {
-        const FASTLN_T *row = x + r * n;
-        FASTLN_T *out = y + r * n;
-        int64_t c = 0;
-        for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
-            const FASTLN_VF v =
-                ((FASTLN_NAME(load_c)(row + c) - FASTLN_ISA(load_f32)(head + c))
-                 - FASTLN_ISA(load_f32)(tail + c))
-                    * FASTLN_ISA(load_f32)(scale + c)
-                + FASTLN_ISA(load_f32)(offset + c);
-            FASTLN_NAME(bn_store_float)(row + c, out + c, v, k, c, 1, streaming);
-        }
-        if (c < n) FASTLN_NAME(bn_apply_row_end)(row, out, c, n, k, streaming);
-    }
+            FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, FASTLN_BN_APPLY_GROUP, k,
+                                              0);
+    for (; r < n_rows; r++)
+        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 1, k, streaming);
     if (streaming) fastln_streaming_fence();
 }
 

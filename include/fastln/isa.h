@@ -109,14 +109,21 @@ FASTLN_INLINE FASTLN_VF FASTLN_ISA(narrow_pair)(FASTLN_VD low, FASTLN_VD high)
 #endif
 }
 
-/* Whether any lane of v is Inf or NaN (its exponent bits all set). */
-FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
+/* Whether any lane of any of the n vectors at v is Inf or NaN (its exponent bits all set): one
+ * test for a group of vectors. */
+FASTLN_INLINE int FASTLN_ISA(any_not_finite_of)(const FASTLN_VF *v, int n)
 {
 #if defined(__AVX512F__)
-    return _mm512_fpclass_ps_mask((__m512)v, FASTLN_CLASS_NAN | FASTLN_CLASS_INF) != 0;
+    __mmask16 special = 0;
+    for (int i = 0; i < n; i++)
+        special |= _mm512_fpclass_ps_mask((__m512)v[i], FASTLN_CLASS_NAN | FASTLN_CLASS_INF);
+    return special != 0;
 #else
-    const FASTLN_VU32 exponent = (FASTLN_VU32)v & 0x7f800000u;
-    const FASTLN_VU32 special = (FASTLN_VU32)(exponent == 0x7f800000u);
+    FASTLN_VU32 special = {0};
+    for (int i = 0; i < n; i++) {
+        const FASTLN_VU32 exponent = (FASTLN_VU32)v[i] & 0x7f800000u;
+        special |= (FASTLN_VU32)(exponent == 0x7f800000u);
+    }
 #if defined(__AVX2__)
     return !_mm256_testz_si256((__m256i)special, (__m256i)special);
 #elif defined(__x86_64__)
@@ -129,28 +136,10 @@ FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
 #endif
 }
 
-/* Whether any lane of any of the n vectors at v is Inf or NaN: one test for a group. */
-FASTLN_INLINE int FASTLN_ISA(any_not_finite_of)(const FASTLN_VF *v, int n)
+/* Whether any lane of v is Inf or NaN. */
+FASTLN_INLINE int FASTLN_ISA(any_not_finite)(FASTLN_VF v)
 {
-#if defined(__AVX512F__)
-    __mmask16 special = 0;
-    for (int i = 0; i < n; i++)
-        special |= _mm512_fpclass_ps_mask((__m512)v[i], FASTLN_CLASS_NAN | FASTLN_CLASS_INF);
-    return special != 0;
-#else
-    FASTLN_VU32 special = (FASTLN_VU32)((FASTLN_VU32)v[0] & 0x7f800000u) == 0x7f800000u;
-    for (int i = 1; i < n; i++)
-        special |= (FASTLN_VU32)(((FASTLN_VU32)v[i] & 0x7f800000u) == 0x7f800000u);
-#if defined(__AVX2__)
-    return !_mm256_testz_si256((__m256i)special, (__m256i)special);
-#elif defined(__x86_64__)
-    return _mm_movemask_ps((__m128)special) != 0;
-#else
-    int any = 0;
-    for (int l = 0; l < FASTLN_VF_LANES; l++) any |= special[l] != 0;
-    return any;
-#endif
-#endif
+    return FASTLN_ISA(any_not_finite_of)(&v, 1);
 }
 
 /* float16 <-> float32 for a vector: F16C's conversions where the target has them (AVX2 and
