@@ -185,7 +185,7 @@ def test_evaluation_gives_the_same_bits_in_both_layouts(rng, offset):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_each_row_is_its_own_computation_in_evaluation(rng, dtype):
     """The rows layout's write passes take rows in groups (fastln/forward.h,
-    bn_apply_group_float): in evaluation y and dx of each row must be the bits of that row
+    bn_apply_float_block): in evaluation y and dx of each row must be the bits of that row
     normalized alone, also for the rows grouped with one holding Inf, NaN or a value whose float
     result overflows (computed in double), and whatever the row count's remainder."""
     if dtype == "bfloat16":
@@ -206,3 +206,54 @@ def test_each_row_is_its_own_computation_in_evaluation(rng, dtype):
             dx_row, _, _ = fastln.batch_norm_backward(dy[r:r + 1], cache_row, gamma)
             assert_bitwise_equal(y[r:r + 1], y_row)
             assert_bitwise_equal(dx[r:r + 1], dx_row)
+
+
+def _at_offset(a, offset):
+    """A copy of a whose data starts offset bytes past a 64-byte cache line."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    placed = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    placed[...] = a
+    return placed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("features", [64, 100, 768])
+def test_results_do_not_depend_on_where_the_rows_start(rng, dtype, features):
+    """The rows layout's write passes take each row's columns up to the output's next cache line
+    apart from the rest (fastln/forward.h, bn_rows_head), and a row's first and last columns
+    in one masked vector: y and dx, in training and evaluation, in place or not, must be the
+    bits of the same arrays starting on a line, whatever the element offset from one, also with
+    Inf, NaN and float-overflowing values in the first and last columns."""
+    rows = 9
+    x = (1e3 + 50 * rng.standard_normal((rows, features))).astype(dtype)
+    x[1, 0], x[2, 5], x[4, features - 1], x[6, 2] = np.inf, np.nan, -np.inf, dtype(6e4)
+    dy = rng.standard_normal((rows, features)).astype(dtype)
+    dy[7, 3] = np.inf
+    gamma = (1e3 * rng.standard_normal(features)).astype(np.float32)
+    beta = rng.standard_normal(features).astype(np.float32)
+    running_mean = 1e3 + rng.standard_normal(features)
+    running_var = rng.random(features) + 0.5
+
+    def run(offset, in_place):
+        results = []
+        for training in (True, False):
+            x_at, dy_at = _at_offset(x, offset), _at_offset(dy, offset)
+            y = x_at if in_place else _at_offset(np.zeros_like(x), offset)
+            # training updates the running statistics: each call gets its own copies
+            _, cache = fastln.batch_norm_forward(_at_offset(x, offset), gamma, beta,
+                                                 running_mean.copy(), running_var.copy(),
+                                                 training=training)
+            fastln.batch_norm(x_at, gamma, beta, running_mean.copy(), running_var.copy(),
+                              training=training, out=y)
+            dx = dy_at if in_place else _at_offset(np.zeros_like(dy), offset)
+            fastln.batch_norm_backward(dy_at, cache, gamma, out=dx)
+            results += [y.copy(), dx.copy()]
+        return results
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = run(0, in_place=False)
+        for offset in range(x.itemsize, 64, x.itemsize):
+            for in_place in (False, True):
+                for got, want in zip(run(offset, in_place), expected):
+                    assert_bitwise_equal(got, want, err_msg=f"offset {offset}")

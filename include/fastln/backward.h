@@ -731,8 +731,7 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
     }
     /* The columns up to dx's next cache line first, as the single-row pass does; the rows all
      * start at the same offset from a line only when a row is a whole number of lines. */
-    const int64_t head = n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
-                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    const int64_t head = fastln_rows_head(dx, sizeof(FASTLN_T), n_cols);
     if (head > 0)
         FASTLN_NAME(ln_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, sums,
                                             dgamma_acc, dbeta_acc);
@@ -1093,8 +1092,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc, int streaming)
 {
-    const int64_t head = n_rows == 1 || n_cols * (int64_t)sizeof(FASTLN_T) % 64 == 0
-                             ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols) : 0;
+    const int64_t head = n_rows == 1 ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols)
+                                     : fastln_rows_head(dx, sizeof(FASTLN_T), n_cols);
     for (int piece = 0; piece < 2; piece++) {
         const int64_t start = piece == 0 ? 0 : head;
         const int64_t width = piece == 0 ? head : n_cols - head;
@@ -1789,38 +1788,60 @@ FASTLN_INLINE float FASTLN_NAME(bn_backward_float1)(FASTLN_T dy, FASTLN_T x, con
     return k * ((g - constants[3 * n + at]) - centred * constants[4 * n + at]);
 }
 
-/* One row's last (< VF_LANES) elements, from column c, in 16-byte pieces. */
-FASTLN_INLINE void FASTLN_NAME(bn_backward_row_end)(const FASTLN_T *dy_row, const FASTLN_T *x_row,
-                                                    FASTLN_T *dx_row, int64_t c,
-                                                    const fastln_bn_call *call,
-                                                    const int streaming)
+/* One row's elements [c, end), fewer than VF_LANES, as the forward's bn_apply_row_part. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_row_part)(const FASTLN_T *dy_row, const FASTLN_T *x_row,
+                                                     FASTLN_T *dx_row, int64_t c, int64_t end,
+                                                     const fastln_bn_call *call,
+                                                     const int streaming)
 {
     const int64_t n = call->n_features;
     const float *constants = call->float_constants;
     const int training = call->training;
-    FASTLN_T last[FASTLN_STEP];
-    for (int64_t l = 0; c + l < n; l++) {
+#if FASTLN_MASKED
+    if (!streaming) {
+        const int64_t left = end - c;
+        const FASTLN_VF k = FASTLN_ISA(load_f32_first)(constants + 2 * n + c, left);
+        const FASTLN_VF g = FASTLN_NAME(load_c_first)(dy_row + c, left);
+        FASTLN_VF v;
+        if (training) {
+            const FASTLN_VF centred =
+                (FASTLN_NAME(load_c_first)(x_row + c, left)
+                 - FASTLN_ISA(load_f32_first)(constants + c, left))
+                - FASTLN_ISA(load_f32_first)(constants + n + c, left);
+            v = k * ((g - FASTLN_ISA(load_f32_first)(constants + 3 * n + c, left))
+                     - centred * FASTLN_ISA(load_f32_first)(constants + 4 * n + c, left));
+        } else {
+            v = g * k;
+        }
+        if (!FASTLN_ISA(any_not_finite)(v)) {
+            FASTLN_NAME(store_c_first)(dx_row + c, v, left);
+            return;
+        }
+    }
+#endif
+    FASTLN_T part[FASTLN_STEP];
+    for (int64_t l = 0; c + l < end; l++) {
         const int64_t at = c + l;
         const float v = FASTLN_NAME(bn_backward_float1)(dy_row[at], x_row[at], constants, n, at,
                                                         training);
-        last[l] = FASTLN_NAME(bn_backward_element)(dy_row[at], x_row[at], v, call, at);
+        part[l] = FASTLN_NAME(bn_backward_element)(dy_row[at], x_row[at], v, call, at);
     }
-    FASTLN_NAME(store_elements_to)(dx_row + c, last, n - c, streaming);
+    FASTLN_NAME(store_elements_to)(dx_row + c, part, end - c, streaming);
 }
 
-/* n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped) a vector of columns at a time: each
- * vector of constants is loaded once for all the rows, and a group's vectors are tested for Inf
- * and NaN together before any is stored (as the forward's bn_apply_float_block). */
+/* Columns [c, end) of n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped) a vector at a
+ * time: each vector of constants is loaded once for all the rows, and a group's vectors are
+ * tested for Inf and NaN together before any is stored (as the forward's
+ * bn_apply_float_block). */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_float_block)(
-    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, const int n_rows,
-    const fastln_bn_call *call, const int streaming)
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t c, const int64_t end,
+    const int n_rows, const fastln_bn_call *call, const int streaming)
 {
     const int64_t n = call->n_features;
     const int training = call->training;
     const float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
     const float *mean_dy = head + 3 * n, *coef = head + 4 * n;
-    int64_t c = 0;
-    for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
+    for (; c + FASTLN_VF_LANES <= end; c += FASTLN_VF_LANES) {
         FASTLN_VF v[FASTLN_BN_APPLY_GROUP];
         const FASTLN_VF k_v = FASTLN_ISA(load_f32)(k + c);
         if (training) {
@@ -1850,12 +1871,13 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_float_block)(
                 FASTLN_NAME(store_c_to)(dx + r * n + c, v[r], streaming);
         }
     }
-    if (c < n)
+    if (c < end)
         for (int r = 0; r < n_rows; r++)
-            FASTLN_NAME(bn_backward_row_end)(dy + r * n, x + r * n, dx + r * n, c, call,
-                                             streaming);
+            FASTLN_NAME(bn_backward_row_part)(dy + r * n, x + r * n, dx + r * n, c, end, call,
+                                              streaming);
 }
 
+/* The columns up to dx's next cache line first, as the forward's bn_apply_rows_float_to. */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
     const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows,
     const fastln_bn_call *call, const int store)
@@ -1863,13 +1885,22 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
     const int streaming = store == FASTLN_ROWS_STREAMED;
     const int64_t n = call->n_features;
     int64_t r = 0;
-    if (store == FASTLN_ROWS_GROUPED)
-        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP)
-            FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n,
-                                                       FASTLN_BN_APPLY_GROUP, call, 0);
-    for (; r < n_rows; r++)
-        FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 1, call,
-                                                   streaming);
+    if (store == FASTLN_ROWS_GROUPED) {
+        const int64_t head = FASTLN_NAME(bn_rows_head)(dx, n, 1);
+        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
+            FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0,
+                                                       head, FASTLN_BN_APPLY_GROUP, call, 0);
+            FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, head,
+                                                       n, FASTLN_BN_APPLY_GROUP, call, 0);
+        }
+    }
+    for (; r < n_rows; r++) {
+        const int64_t head = streaming ? 0 : FASTLN_NAME(bn_rows_head)(dx + r * n, n, 0);
+        FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0, head, 1,
+                                                   call, streaming);
+        FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, head, n, 1,
+                                                   call, streaming);
+    }
     if (streaming) fastln_streaming_fence();
 }
 

@@ -460,36 +460,71 @@ FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, F
  * instead, from its x (not yet overwritten when y is x): the rule is per element, so a
  * feature's results never depend on its neighbours, nor on how rows are grouped below. */
 
-/* One row's last (< VF_LANES) elements, from column c, in 16-byte pieces. */
-FASTLN_INLINE void FASTLN_NAME(bn_apply_row_end)(const FASTLN_T *row, FASTLN_T *out, int64_t c,
-                                                 int64_t n, const fastln_rows_constants *k,
-                                                 const int streaming)
+/* How many of a row's first columns the write passes take before whole-line stores
+ * (fastln_elements_to_line; fastln_rows_head for rows written together): a store that straddles
+ * two lines costs two. Only where a float32 vector is a whole line and the head one masked
+ * vector (AVX-512). A half-format vector is half a line, and an AVX2 head is written partly one
+ * element at a time: there the head cost more than the straddling stores it saved
+ * (docs/performance.md). */
+FASTLN_INLINE int64_t FASTLN_NAME(bn_rows_head)(const FASTLN_T *y, int64_t n, int together)
+{
+#if FASTLN_STORAGE == FASTLN_FLOAT32 && FASTLN_MASKED
+    return together ? fastln_rows_head(y, sizeof(FASTLN_T), n)
+                    : fastln_elements_to_line(y, sizeof(FASTLN_T), n);
+#else
+    (void)y, (void)n, (void)together;
+    return 0;
+#endif
+}
+
+/* One row's elements [c, end), fewer than VF_LANES: one masked vector where the instruction set
+ * has masks (each lane's arithmetic is the element's, so the bits are the same) and y is not
+ * streamed (a plain store into a line that the pass streams costs more than it saves: measured),
+ * else, and for a vector with a lane that is not finite, one element at a time stored in 16-byte
+ * pieces. */
+FASTLN_INLINE void FASTLN_NAME(bn_apply_row_part)(const FASTLN_T *row, FASTLN_T *out, int64_t c,
+                                                  int64_t end, const fastln_rows_constants *k,
+                                                  const int streaming)
 {
     const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
-    FASTLN_T last[FASTLN_STEP];
-    for (int64_t l = 0; c + l < n; l++) {
+#if FASTLN_MASKED
+    if (!streaming) {
+        const int64_t left = end - c;
+        const FASTLN_VF v = ((FASTLN_NAME(load_c_first)(row + c, left)
+                              - FASTLN_ISA(load_f32_first)(head + c, left))
+                             - FASTLN_ISA(load_f32_first)(tail + c, left))
+                                * FASTLN_ISA(load_f32_first)(scale + c, left)
+                            + FASTLN_ISA(load_f32_first)(offset + c, left);
+        if (!FASTLN_ISA(any_not_finite)(v)) {
+            FASTLN_NAME(store_c_first)(out + c, v, left);
+            return;
+        }
+    }
+#endif
+    FASTLN_T part[FASTLN_STEP];
+    for (int64_t l = 0; c + l < end; l++) {
         const int64_t at = c + l;
         const float v = ((FASTLN_NAME(to_compute)(row[at]) - head[at]) - tail[at]) * scale[at]
                         + offset[at];
-        last[l] = FASTLN_NAME(bn_apply_element)(row[at], v, k, at);
+        part[l] = FASTLN_NAME(bn_apply_element)(row[at], v, k, at);
     }
-    FASTLN_NAME(store_elements_to)(out + c, last, n - c, streaming);
+    FASTLN_NAME(store_elements_to)(out + c, part, end - c, streaming);
 }
 
-/* n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped) a vector of columns at a time: each
- * vector of constants is loaded once for all the rows (one row at a time, the four constant
- * loads per vector of x were what bound the pass in cache), and the rows' vectors are tested
- * for Inf and NaN together before any is stored. Groups are not for streamed outputs:
- * non-temporal stores spread over the group's rows leave each row's write-combining buffer part
- * full between stores (twice the time measured). */
+/* Columns [c, end) of n_rows rows (FASTLN_BN_APPLY_GROUP of them when grouped; n elements from
+ * one row to the next) a vector at a time: each vector of constants is loaded once for all the
+ * rows (one row at a time, the four constant loads per vector of x were what bound the pass in
+ * cache), and the rows' vectors are tested for Inf and NaN together before any is stored.
+ * Groups are not for streamed outputs: non-temporal stores spread over the group's rows leave
+ * each row's write-combining buffer part full between stores (twice the time measured). */
 FASTLN_INLINE void FASTLN_NAME(bn_apply_float_block)(const FASTLN_T *x, FASTLN_T *y, int64_t n,
+                                                    int64_t c, const int64_t end,
                                                     const int n_rows,
                                                     const fastln_rows_constants *k,
                                                     const int streaming)
 {
     const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
-    int64_t c = 0;
-    for (; c + FASTLN_VF_LANES <= n; c += FASTLN_VF_LANES) {
+    for (; c + FASTLN_VF_LANES <= end; c += FASTLN_VF_LANES) {
         const FASTLN_VF head_v = FASTLN_ISA(load_f32)(head + c);
         const FASTLN_VF tail_v = FASTLN_ISA(load_f32)(tail + c);
         const FASTLN_VF scale_v = FASTLN_ISA(load_f32)(scale + c);
@@ -508,11 +543,14 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_float_block)(const FASTLN_T *x, FASTLN_T
                 FASTLN_NAME(store_c_to)(y + r * n + c, v[r], streaming);
         }
     }
-    if (c < n)
+    if (c < end)
         for (int r = 0; r < n_rows; r++)
-            FASTLN_NAME(bn_apply_row_end)(x + r * n, y + r * n, c, n, k, streaming);
+            FASTLN_NAME(bn_apply_row_part)(x + r * n, y + r * n, c, end, k, streaming);
 }
 
+/* The columns up to y's next cache line first, then the rest with whole-line stores (as
+ * LayerNorm's write pass; a group's rows share the head only when a row is a whole number of
+ * lines, else the group has none). */
 FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN_T *y,
                                                       int64_t n_rows, int64_t n,
                                                       const fastln_rows_constants *k,
@@ -520,12 +558,20 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
 {
     const int streaming = store == FASTLN_ROWS_STREAMED;
     int64_t r = 0;
-    if (store == FASTLN_ROWS_GROUPED)
-        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP)
-            FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, FASTLN_BN_APPLY_GROUP, k,
-                                              0);
-    for (; r < n_rows; r++)
-        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 1, k, streaming);
+    if (store == FASTLN_ROWS_GROUPED) {
+        const int64_t head = FASTLN_NAME(bn_rows_head)(y, n, 1);
+        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
+            FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head,
+                                              FASTLN_BN_APPLY_GROUP, k, 0);
+            FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, head, n,
+                                              FASTLN_BN_APPLY_GROUP, k, 0);
+        }
+    }
+    for (; r < n_rows; r++) {
+        const int64_t head = streaming ? 0 : FASTLN_NAME(bn_rows_head)(y + r * n, n, 0);
+        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head, 1, k, streaming);
+        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, head, n, 1, k, streaming);
+    }
     if (streaming) fastln_streaming_fence();
 }
 

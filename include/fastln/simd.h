@@ -143,6 +143,13 @@ FASTLN_INLINE int64_t fastln_elements_to_line(const void *p, size_t size, int64_
     return head < n ? head : n;
 }
 
+/* fastln_elements_to_line for rows of n elements written together (a group's columns at a
+ * time): they share the head only when a row is a whole number of lines; else none. */
+FASTLN_INLINE int64_t fastln_rows_head(const void *first_row, size_t size, int64_t n)
+{
+    return n * (int64_t)size % 64 == 0 ? fastln_elements_to_line(first_row, size, n) : 0;
+}
+
 /* Non-temporal ("streaming") stores write around the caches: for outputs far larger than the
  * cache they save the read-for-ownership of every output line and leave the cache to the
  * inputs. Every x86-64 CPU has them (SSE2); passes that used them end with this fence. */
