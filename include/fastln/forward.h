@@ -593,7 +593,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_
 #if FASTLN_COMPUTE_F32
 /* The segments layout in float: one segment of n_inner values of feature c, by the rows
  * layout's rule (bn_apply_rows_float) with the feature's constants in every lane, so that a
- * feature's values round alike in both layouts. */
+ * feature's values round alike in both layouts. The last values are one masked vector where the
+ * instruction set has masks (as bn_apply_row_part). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment_float)(const FASTLN_T *x, FASTLN_T *y,
                                                         int64_t n_inner,
                                                         const fastln_rows_constants *k, int64_t c)
@@ -604,6 +605,16 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_segment_float)(const FASTLN_T *x, FAST
         const FASTLN_VF v = ((FASTLN_NAME(load_c)(x + l) - head) - tail) * scale + offset;
         FASTLN_NAME(bn_store_float)(x + l, y + l, v, k, c, 0, 0);
     }
+    if (l == n_inner) return;
+#if FASTLN_MASKED
+    const int64_t left = n_inner - l;
+    const FASTLN_VF v =
+        ((FASTLN_NAME(load_c_first)(x + l, left) - head) - tail) * scale + offset;
+    if (!FASTLN_ISA(any_not_finite)(v)) {
+        FASTLN_NAME(store_c_first)(y + l, v, left);
+        return;
+    }
+#endif
     for (; l < n_inner; l++) {
         const float v = ((FASTLN_NAME(to_compute)(x[l]) - head) - tail) * scale + offset;
         y[l] = FASTLN_NAME(bn_apply_element)(x[l], v, k, c);
