@@ -273,16 +273,16 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
     const fastln_bn_call *call = opaque;
     const FASTLN_T *x = call->x;
     FASTLN_T *y = call->y;
-#if FASTLN_COMPUTE_F32
-    const float *head = call->float_constants;
-    const fastln_rows_constants k =
-        head ? fastln_bn_rows_constants(call) : (fastln_rows_constants){0};
     /* Non-temporal stores need every row 16-byte aligned. */
     const int rows_aligned = fastln_is_aligned16(y)
                              && call->n_features * (int64_t)sizeof(FASTLN_T) % 16 == 0;
     const int store = fastln_rows_store(
         call->streaming && rows_aligned,
         call->n_outer * call->n_features * call->n_inner * (int64_t)sizeof(FASTLN_T));
+#if FASTLN_COMPUTE_F32
+    const float *head = call->float_constants;
+    const fastln_rows_constants k =
+        head ? fastln_bn_rows_constants(call) : (fastln_rows_constants){0};
 #endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner == 1) {
@@ -297,7 +297,8 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
             }
 #endif
             FASTLN_NAME(bn_apply_rows)(x + offset, y + offset, n_rows, call->n_features,
-                                       call->shift, call->center, call->scale, call->offset);
+                                       call->shift, call->center, call->scale, call->offset,
+                                       store);
         } else {
             const int64_t c = unit % call->n_features;
 #if FASTLN_COMPUTE_F32
@@ -761,8 +762,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, in
                                      head + 3 * n_channel_values, shift, center, scale, offset};
     FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, store);
 #else
-    (void)store;
-    FASTLN_NAME(bn_apply_rows)(x, y, n_rows, width, shift, center, scale, offset);
+    FASTLN_NAME(bn_apply_rows)(x, y, n_rows, width, shift, center, scale, offset, store);
 #endif
 }
 

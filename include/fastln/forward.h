@@ -388,32 +388,83 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply1_double)(FASTLN_T x, double shift, d
                                     + offset);
 }
 
-/* Rows layout, n_rows rows of n_features values; the four constants are per-feature arrays.
- * Features never mix, so the vector width changes nothing. */
+/* How many of a row's first columns the write passes take before whole-line stores
+ * (fastln_elements_to_line; fastln_rows_head for rows written together): a store that straddles
+ * two lines costs two. Only where a float32 or float64 vector is a whole line (AVX-512). A
+ * half-format vector is half a line, and an AVX2 head is written partly one element at a time:
+ * there the head cost more than the straddling stores it saved (docs/performance.md). */
+FASTLN_INLINE int64_t FASTLN_NAME(bn_rows_head)(const FASTLN_T *y, int64_t n, int together)
+{
+#if (FASTLN_STORAGE == FASTLN_FLOAT32 || FASTLN_STORAGE == FASTLN_FLOAT64) && FASTLN_MASKED
+    return together ? fastln_rows_head(y, sizeof(FASTLN_T), n)
+                    : fastln_elements_to_line(y, sizeof(FASTLN_T), n);
+#else
+    (void)y, (void)n, (void)together;
+    return 0;
+#endif
+}
+
+/* Columns [c, end) of n_rows rows (n values from one row to the next) in double, a vector of
+ * columns at a time with its constants loaded once for all the rows (as the float apply's
+ * bn_apply_float_block). Features never mix, so the vector width changes nothing. */
+FASTLN_INLINE void FASTLN_NAME(bn_apply_double_block)(
+    const FASTLN_T *x, FASTLN_T *y, int64_t n, int64_t c, const int64_t end, const int n_rows,
+    const double *shift, const double *center, const double *scale, const double *offset)
+{
+    for (; c + FASTLN_VF_LANES <= end; c += FASTLN_VF_LANES) {
+        FASTLN_VD shift_v[2], center_v[2], scale_v[2], offset_v[2];
+        FASTLN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            const int64_t at = c + h * FASTLN_VD_LANES;
+            shift_v[h] = FASTLN_ISA(load_f64)(shift + at);
+            center_v[h] = FASTLN_ISA(load_f64)(center + at);
+            scale_v[h] = FASTLN_ISA(load_f64)(scale + at);
+            offset_v[h] = FASTLN_ISA(load_f64)(offset + at);
+        }
+        FASTLN_UNROLL
+        for (int r = 0; r < n_rows; r++) {
+            FASTLN_VD value[2];
+            FASTLN_NAME(load_wide)(x + r * n + c, &value[0], &value[1]);
+            FASTLN_UNROLL
+            for (int h = 0; h < 2; h++)
+                value[h] = ((value[h] - shift_v[h]) - center_v[h]) * scale_v[h] + offset_v[h];
+            FASTLN_NAME(store_wide)(y + r * n + c, value[0], value[1]);
+        }
+    }
+    for (; c < end; c++)
+        for (int r = 0; r < n_rows; r++)
+            y[r * n + c] = FASTLN_NAME(bn_apply1_double)(x[r * n + c], shift[c], center[c],
+                                                         scale[c], offset[c]);
+}
+
+/* Rows layout in double, n_rows rows of n_features values; the four constants are per-feature
+ * arrays. store: FASTLN_ROWS_GROUPED takes FASTLN_BN_APPLY_GROUP rows per load of the
+ * constants, else rows one at a time (never streamed); each row's columns up to y's next line
+ * first (bn_rows_head). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
     const FASTLN_T *x, FASTLN_T *y, int64_t n_rows, int64_t n_features,
     const double *FASTLN_RESTRICT shift, const double *FASTLN_RESTRICT center,
-    const double *FASTLN_RESTRICT scale, const double *FASTLN_RESTRICT offset)
+    const double *FASTLN_RESTRICT scale, const double *FASTLN_RESTRICT offset, int store)
 {
-    for (int64_t r = 0; r < n_rows; r++) {
-        const FASTLN_T *row = x + r * n_features;
-        FASTLN_T *out = y + r * n_features;
-        int64_t c = 0;
-        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
-            FASTLN_VD value[2];
-            FASTLN_NAME(load_wide)(row + c, &value[0], &value[1]);
-            FASTLN_UNROLL
-            for (int h = 0; h < 2; h++) {
-                const int64_t at = c + h * FASTLN_VD_LANES;
-                const FASTLN_VD d = (value[h] - FASTLN_ISA(load_f64)(shift + at))
-                                    - FASTLN_ISA(load_f64)(center + at);
-                value[h] = d * FASTLN_ISA(load_f64)(scale + at) + FASTLN_ISA(load_f64)(offset + at);
-            }
-            FASTLN_NAME(store_wide)(out + c, value[0], value[1]);
+    const int64_t n = n_features;
+    int64_t r = 0;
+    if (store == FASTLN_ROWS_GROUPED) {
+        const int64_t head = FASTLN_NAME(bn_rows_head)(y, n, 1);
+        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
+            FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, 0, head,
+                                               FASTLN_BN_APPLY_GROUP, shift, center, scale,
+                                               offset);
+            FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, head, n,
+                                               FASTLN_BN_APPLY_GROUP, shift, center, scale,
+                                               offset);
         }
-        for (; c < n_features; c++)
-            out[c] = FASTLN_NAME(bn_apply1_double)(row[c], shift[c], center[c], scale[c],
-                                                   offset[c]);
+    }
+    for (; r < n_rows; r++) {
+        const int64_t head = FASTLN_NAME(bn_rows_head)(y + r * n, n, 0);
+        FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, 0, head, 1, shift, center,
+                                           scale, offset);
+        FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, head, n, 1, shift, center,
+                                           scale, offset);
     }
 }
 
@@ -459,23 +510,6 @@ FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, F
  * of a feature whose constants float cannot hold: its scale is NaN) is computed in double
  * instead, from its x (not yet overwritten when y is x): the rule is per element, so a
  * feature's results never depend on its neighbours, nor on how rows are grouped below. */
-
-/* How many of a row's first columns the write passes take before whole-line stores
- * (fastln_elements_to_line; fastln_rows_head for rows written together): a store that straddles
- * two lines costs two. Only where a float32 vector is a whole line and the head one masked
- * vector (AVX-512). A half-format vector is half a line, and an AVX2 head is written partly one
- * element at a time: there the head cost more than the straddling stores it saved
- * (docs/performance.md). */
-FASTLN_INLINE int64_t FASTLN_NAME(bn_rows_head)(const FASTLN_T *y, int64_t n, int together)
-{
-#if FASTLN_STORAGE == FASTLN_FLOAT32 && FASTLN_MASKED
-    return together ? fastln_rows_head(y, sizeof(FASTLN_T), n)
-                    : fastln_elements_to_line(y, sizeof(FASTLN_T), n);
-#else
-    (void)y, (void)n, (void)together;
-    return 0;
-#endif
-}
 
 /* One row's elements [c, end), fewer than VF_LANES: one masked vector where the instruction set
  * has masks (each lane's arithmetic is the element's, so the bits are the same) and y is not
