@@ -1696,41 +1696,78 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_backward1_double)(FASTLN_T dy, FASTLN_T x,
     return FASTLN_NAME(from_double)(k * ((g - mean_dy) - centred * coef));
 }
 
-/* Training, rows layout: dx = k * ((dy - mean_dy) - ((x - mean) - correction) * coef);
- * evaluation (training 0): dx = dy * k. */
-FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(
-    const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, FASTLN_T *dx, int64_t n_rows,
-    int64_t n_features, int training, const double *FASTLN_RESTRICT mean,
-    const double *FASTLN_RESTRICT correction, const double *FASTLN_RESTRICT k,
-    const double *FASTLN_RESTRICT mean_dy, const double *FASTLN_RESTRICT coef)
+/* Columns [c, end) of n_rows rows of the rows layout's dx in double, a vector of columns at a
+ * time with its constants loaded once for all the rows (as the float pass's
+ * bn_backward_apply_float_block): dx = k * ((dy - mean_dy) - ((x - mean) - correction) * coef) in
+ * training, dx = dy * k in evaluation. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_double_block)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t c, const int64_t end,
+    const int n_rows, const fastln_bn_call *call)
 {
-    for (int64_t r = 0; r < n_rows; r++) {
-        const FASTLN_T *dy_row = dy + r * n_features;
-        const FASTLN_T *x_row = x + r * n_features;
-        FASTLN_T *dx_row = dx + r * n_features;
-        int64_t c = 0;
-        for (; c + FASTLN_VF_LANES <= n_features; c += FASTLN_VF_LANES) {
+    const int64_t n = call->n_features;
+    const int training = call->training;
+    const double *mean = call->dx_mean, *correction = call->correction, *k = call->k;
+    const double *mean_dy = call->mean_dy, *coef = call->coef;
+    for (; c + FASTLN_VF_LANES <= end; c += FASTLN_VF_LANES) {
+        FASTLN_VD k_v[2], mean_v[2], correction_v[2], mean_dy_v[2], coef_v[2];
+        FASTLN_UNROLL
+        for (int h = 0; h < 2; h++) {
+            const int64_t at = c + h * FASTLN_VD_LANES;
+            k_v[h] = FASTLN_ISA(load_f64)(k + at);
+            if (training) {
+                mean_v[h] = FASTLN_ISA(load_f64)(mean + at);
+                correction_v[h] = FASTLN_ISA(load_f64)(correction + at);
+                mean_dy_v[h] = FASTLN_ISA(load_f64)(mean_dy + at);
+                coef_v[h] = FASTLN_ISA(load_f64)(coef + at);
+            }
+        }
+        FASTLN_UNROLL
+        for (int r = 0; r < n_rows; r++) {
             FASTLN_VD g[2], centred[2];
-            FASTLN_NAME(load_wide)(dy_row + c, &g[0], &g[1]);
-            if (training) FASTLN_NAME(load_wide)(x_row + c, &centred[0], &centred[1]);
+            FASTLN_NAME(load_wide)(dy + r * n + c, &g[0], &g[1]);
+            if (training) FASTLN_NAME(load_wide)(x + r * n + c, &centred[0], &centred[1]);
             FASTLN_UNROLL
             for (int h = 0; h < 2; h++) {
-                const int64_t at = c + h * FASTLN_VD_LANES;
                 if (training) {
-                    centred[h] = (centred[h] - FASTLN_ISA(load_f64)(mean + at))
-                                 - FASTLN_ISA(load_f64)(correction + at);
-                    g[h] = FASTLN_ISA(load_f64)(k + at)
-                           * ((g[h] - FASTLN_ISA(load_f64)(mean_dy + at))
-                              - centred[h] * FASTLN_ISA(load_f64)(coef + at));
+                    centred[h] = (centred[h] - mean_v[h]) - correction_v[h];
+                    g[h] = k_v[h] * ((g[h] - mean_dy_v[h]) - centred[h] * coef_v[h]);
                 } else {
-                    g[h] *= FASTLN_ISA(load_f64)(k + at);
+                    g[h] *= k_v[h];
                 }
             }
-            FASTLN_NAME(store_wide)(dx_row + c, g[0], g[1]);
+            FASTLN_NAME(store_wide)(dx + r * n + c, g[0], g[1]);
         }
-        for (; c < n_features; c++)
-            dx_row[c] = FASTLN_NAME(bn_backward1_double)(dy_row[c], x_row[c], training, mean[c],
-                                                         correction[c], k[c], mean_dy[c], coef[c]);
+    }
+    for (; c < end; c++)
+        for (int r = 0; r < n_rows; r++)
+            dx[r * n + c] = FASTLN_NAME(bn_backward1_double)(dy[r * n + c], x[r * n + c],
+                                                             training, mean[c], correction[c],
+                                                             k[c], mean_dy[c], coef[c]);
+}
+
+/* Rows layout, n_rows rows of dx in double (float64, and the float32-compute types without
+ * float constants); store as for the forward's bn_apply_rows (never streamed). */
+FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                        FASTLN_T *dx, int64_t n_rows,
+                                                        const fastln_bn_call *call, int store)
+{
+    const int64_t n = call->n_features;
+    int64_t r = 0;
+    if (store == FASTLN_ROWS_GROUPED) {
+        const int64_t head = FASTLN_NAME(bn_rows_head)(dx, n, 1);
+        for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
+            FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, 0, head,
+                                                  FASTLN_BN_APPLY_GROUP, call);
+            FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, head, n,
+                                                  FASTLN_BN_APPLY_GROUP, call);
+        }
+    }
+    for (; r < n_rows; r++) {
+        const int64_t head = FASTLN_NAME(bn_rows_head)(dx + r * n, n, 0);
+        FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, 0, head, 1,
+                                              call);
+        FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, head, n, 1,
+                                              call);
     }
 }
 

@@ -430,13 +430,11 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
     const fastln_bn_call *call = opaque;
     const FASTLN_T *dy = call->dy, *x = call->x;
     FASTLN_T *dx = call->dx;
-#if FASTLN_COMPUTE_F32
     /* Non-temporal stores need every row 16-byte aligned. */
     const int streaming = call->streaming && fastln_is_aligned16(dx)
                           && call->n_features * (int64_t)sizeof(FASTLN_T) % 16 == 0;
     const int store = fastln_rows_store(
         streaming, call->n_outer * call->n_features * (int64_t)sizeof(FASTLN_T));
-#endif
     for (int64_t unit = begin; unit < end; unit++) {
         if (call->n_inner > 1) {
             FASTLN_NAME(bn_backward_apply_segment_unit)(call, unit);
@@ -452,10 +450,8 @@ static void FASTLN_NAME(bn_backward_apply_task)(const void *opaque, int64_t begi
             continue;
         }
 #endif
-        FASTLN_NAME(bn_backward_apply_rows)(dy + offset, x + offset, dx + offset, n_rows,
-                                            call->n_features, call->training, call->dx_mean,
-                                            call->correction, call->k, call->mean_dy,
-                                            call->coef);
+        FASTLN_NAME(bn_backward_apply_rows)(dy + offset, x + offset, dx + offset, n_rows, call,
+                                            store);
     }
 }
 
