@@ -221,7 +221,7 @@ def _at_offset(a, offset):
 @pytest.mark.parametrize("features", [64, 100, 768])
 def test_results_do_not_depend_on_where_the_rows_start(rng, dtype, features):
     """The rows layout's write passes take each row's columns up to the output's next cache line
-    apart from the rest (fastln/forward.h, bn_rows_head; float64's double pass too), and a
+    apart from the rest (fastln/forward.h, line_head; float64's double pass too), and a
     row's first and last columns in one masked vector: y and dx, in training and evaluation, in place or not, must be the
     bits of the same arrays starting on a line, whatever the element offset from one, also with
     Inf, NaN and float-overflowing values in the first and last columns."""

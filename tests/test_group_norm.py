@@ -686,3 +686,38 @@ def test_channels_last_groups_do_not_depend_on_a_rare_neighbour(dtype):
     assert_bitwise_equal(y_constant[0][..., others], y[0][..., others])
     assert_bitwise_equal(y_constant[1], y[1])
     assert (y_constant[0][..., 8:16] == 0).all()
+
+
+def _at_offset(a, offset):
+    """A copy of a whose data starts offset bytes past a 64-byte cache line."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    placed = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    placed[...] = a
+    return placed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("spatial", [(7, 7), (16, 16), (32, 32), (5, 130)])
+def test_results_do_not_depend_on_where_the_channels_start(rng, dtype, spatial):
+    """The channels-first write pass takes each long channel's values up to y's next cache line
+    apart from the rest (fastln/forward.h, gn_write) and its last values in one masked vector:
+    y, in place or not, must be the bits of the same arrays starting on a line, whatever the
+    element offset from one, also with Inf and NaN at a channel's first and last values."""
+    shape = (2, 8) + spatial
+    x = (1e3 + 50 * rng.standard_normal(shape)).astype(dtype)
+    x[0, 1, 0, 0], x[1, 6, -1, -1], x[1, 2, 0, 1] = np.inf, np.nan, -np.inf
+    gamma = rng.standard_normal(8).astype(np.float32)
+    beta = rng.standard_normal(8).astype(np.float32)
+
+    def run(offset, in_place):
+        x_at = _at_offset(x, offset)
+        y = x_at if in_place else _at_offset(np.zeros_like(x), offset)
+        fastln.group_norm(x_at, 4, gamma, beta, out=y)
+        return y.copy()
+
+    with np.errstate(invalid="ignore"):
+        expected = run(0, in_place=False)
+        for offset in range(x.itemsize, 64, x.itemsize):
+            for in_place in (False, True):
+                assert_bitwise_equal(run(offset, in_place), expected, err_msg=f"offset {offset}")

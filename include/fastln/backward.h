@@ -1754,7 +1754,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(const FASTLN_T *dy, con
     const int64_t n = call->n_features;
     int64_t r = 0;
     if (store == FASTLN_ROWS_GROUPED) {
-        const int64_t head = FASTLN_NAME(bn_rows_head)(dx, n, 1);
+        const int64_t head = FASTLN_NAME(line_head)(dx, n, 1);
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
             FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, 0, head,
                                                   FASTLN_BN_APPLY_GROUP, call);
@@ -1763,7 +1763,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_apply_rows)(const FASTLN_T *dy, con
         }
     }
     for (; r < n_rows; r++) {
-        const int64_t head = FASTLN_NAME(bn_rows_head)(dx + r * n, n, 0);
+        const int64_t head = FASTLN_NAME(line_head)(dx + r * n, n, 0);
         FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, 0, head, 1,
                                               call);
         FASTLN_NAME(bn_backward_double_block)(dy + r * n, x + r * n, dx + r * n, head, n, 1,
@@ -1923,7 +1923,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
     const int64_t n = call->n_features;
     int64_t r = 0;
     if (store == FASTLN_ROWS_GROUPED) {
-        const int64_t head = FASTLN_NAME(bn_rows_head)(dx, n, 1);
+        const int64_t head = FASTLN_NAME(line_head)(dx, n, 1);
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
             FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0,
                                                        head, FASTLN_BN_APPLY_GROUP, call, 0);
@@ -1932,7 +1932,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
         }
     }
     for (; r < n_rows; r++) {
-        const int64_t head = streaming ? 0 : FASTLN_NAME(bn_rows_head)(dx + r * n, n, 0);
+        const int64_t head = streaming ? 0 : FASTLN_NAME(line_head)(dx + r * n, n, 0);
         FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0, head, 1,
                                                    call, streaming);
         FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, head, n, 1,

@@ -393,7 +393,7 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply1_double)(FASTLN_T x, double shift, d
  * two lines costs two. Only where a float32 or float64 vector is a whole line (AVX-512). A
  * half-format vector is half a line, and an AVX2 head is written partly one element at a time:
  * there the head cost more than the straddling stores it saved (docs/performance.md). */
-FASTLN_INLINE int64_t FASTLN_NAME(bn_rows_head)(const FASTLN_T *y, int64_t n, int together)
+FASTLN_INLINE int64_t FASTLN_NAME(line_head)(const FASTLN_T *y, int64_t n, int together)
 {
 #if (FASTLN_STORAGE == FASTLN_FLOAT32 || FASTLN_STORAGE == FASTLN_FLOAT64) && FASTLN_MASKED
     return together ? fastln_rows_head(y, sizeof(FASTLN_T), n)
@@ -440,7 +440,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_double_block)(
 /* Rows layout in double, n_rows rows of n_features values; the four constants are per-feature
  * arrays. store: FASTLN_ROWS_GROUPED takes FASTLN_BN_APPLY_GROUP rows per load of the
  * constants, else rows one at a time (never streamed); each row's columns up to y's next line
- * first (bn_rows_head). */
+ * first (line_head). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
     const FASTLN_T *x, FASTLN_T *y, int64_t n_rows, int64_t n_features,
     const double *FASTLN_RESTRICT shift, const double *FASTLN_RESTRICT center,
@@ -449,7 +449,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
     const int64_t n = n_features;
     int64_t r = 0;
     if (store == FASTLN_ROWS_GROUPED) {
-        const int64_t head = FASTLN_NAME(bn_rows_head)(y, n, 1);
+        const int64_t head = FASTLN_NAME(line_head)(y, n, 1);
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
             FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, 0, head,
                                                FASTLN_BN_APPLY_GROUP, shift, center, scale,
@@ -460,7 +460,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows)(
         }
     }
     for (; r < n_rows; r++) {
-        const int64_t head = FASTLN_NAME(bn_rows_head)(y + r * n, n, 0);
+        const int64_t head = FASTLN_NAME(line_head)(y + r * n, n, 0);
         FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, 0, head, 1, shift, center,
                                            scale, offset);
         FASTLN_NAME(bn_apply_double_block)(x + r * n, y + r * n, n, head, n, 1, shift, center,
@@ -593,7 +593,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
     const int streaming = store == FASTLN_ROWS_STREAMED;
     int64_t r = 0;
     if (store == FASTLN_ROWS_GROUPED) {
-        const int64_t head = FASTLN_NAME(bn_rows_head)(y, n, 1);
+        const int64_t head = FASTLN_NAME(line_head)(y, n, 1);
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
             FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head,
                                               FASTLN_BN_APPLY_GROUP, k, 0);
@@ -602,7 +602,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
         }
     }
     for (; r < n_rows; r++) {
-        const int64_t head = streaming ? 0 : FASTLN_NAME(bn_rows_head)(y + r * n, n, 0);
+        const int64_t head = streaming ? 0 : FASTLN_NAME(line_head)(y + r * n, n, 0);
         FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head, 1, k, streaming);
         FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, head, n, 1, k, streaming);
     }
@@ -737,6 +737,17 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
         FASTLN_NAME(store_c_to)(y + i, out, streaming);
     }
     if (streaming) fastln_streaming_fence();
+#if FASTLN_MASKED
+    /* The last values in one masked vector (as ln_write_float); a single one alone, which
+     * measured faster (docs/performance.md). */
+    if (i + 1 < n) {
+        const int64_t left = n - i;
+        const FASTLN_VF out =
+            ((FASTLN_NAME(load_c_first)(x + i, left) - mean_head) - mean_tail) * scale + offset;
+        FASTLN_NAME(store_c_first)(y + i, out, left);
+        return;
+    }
+#endif
     for (; i < n; i++)
         y[i] = FASTLN_NAME(from_compute)(
             ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * scale + offset);
@@ -777,6 +788,10 @@ FASTLN_INLINE void FASTLN_NAME(gn_float_channel)(const FASTLN_NAME(gn_channel) *
 }
 #endif
 
+#ifndef FASTLN_GN_HEAD_MIN_BYTES
+#define FASTLN_GN_HEAD_MIN_BYTES 2048
+#endif
+
 /* The write pass over n values of one channel: in float for the float32-compute types whose
  * scale fits a float (as ln_write), else in double. With streaming set (and y aligned), y goes
  * out with non-temporal stores. */
@@ -784,17 +799,27 @@ FASTLN_INLINE void FASTLN_NAME(gn_write)(const FASTLN_T *x, FASTLN_T *y, int64_t
                                          const FASTLN_NAME(gn_channel) *constants, int streaming)
 {
     const int stream_y = streaming && fastln_is_aligned16(y);
+    /* The values up to y's next cache line first, then whole-line stores: not when streamed
+     * (as the rows layout's write passes), nor for channels shorter than
+     * FASTLN_GN_HEAD_MIN_BYTES, where the second call cost more than the straddling stores
+     * (docs/performance.md). */
+    const int64_t head = stream_y || n * (int64_t)sizeof(FASTLN_T) < FASTLN_GN_HEAD_MIN_BYTES
+                             ? 0 : FASTLN_NAME(line_head)(y, n, 0);
 #if FASTLN_COMPUTE_F32
     if (FASTLN_NAME(gn_float_scale)(constants->scale)) {
         float mean_tail;
         const float mean_head =
             FASTLN_NAME(gn_float_mean)(constants->shift, constants->mean_shifted, &mean_tail);
-        FASTLN_NAME(gn_write_float)(x, y, n, mean_head, mean_tail, (float)constants->scale,
-                                    (float)constants->offset, stream_y);
+        const float scale = (float)constants->scale, offset = (float)constants->offset;
+        if (head > 0)
+            FASTLN_NAME(gn_write_float)(x, y, head, mean_head, mean_tail, scale, offset, 0);
+        FASTLN_NAME(gn_write_float)(x + head, y + head, n - head, mean_head, mean_tail, scale,
+                                    offset, stream_y);
         return;
     }
 #endif
-    FASTLN_NAME(gn_write_double)(x, y, n, constants, stream_y);
+    if (head > 0) FASTLN_NAME(gn_write_double)(x, y, head, constants, 0);
+    FASTLN_NAME(gn_write_double)(x + head, y + head, n - head, constants, stream_y);
 }
 
 #if FASTLN_COMPUTE_F32
