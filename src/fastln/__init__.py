@@ -13,7 +13,7 @@ cannot be loaded (a broken build), ``import fastln.reference`` and the cache cla
 and the first use of any other function raises the ImportError that loading gave: a broken
 build does not take the readable oracle with it.
 """
-import importlib
+import importlib as _importlib
 
 from fastln import reference
 from fastln._caches import BatchNormCache, GroupNormCache, LayerNormCache, RMSNormCache
@@ -53,12 +53,10 @@ __all__ = sorted(["BatchNormCache", "GroupNormCache", "LayerNormCache", "RMSNorm
                   *_COMPILED])
 
 
-
-
 def _load_compiled():
     """Import every compiled-backed function into this namespace; the ImportError, if any."""
     try:
-        functions = {name: getattr(importlib.import_module(module), name)
+        functions = {name: getattr(_importlib.import_module(module), name)
                      for name, module in _COMPILED.items()}
     except ImportError as error:
         return error
