@@ -82,6 +82,15 @@ def _unaligned(a):
     return view
 
 
+def at_line_offset(a, offset):
+    """A copy of a whose data starts offset bytes past a 64-byte cache line."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    placed = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    placed[...] = a
+    return placed
+
+
 LAYOUTS = {
     "contiguous": _contiguous,
     "strided": _strided,

@@ -10,7 +10,7 @@ in the segments layout ((N, C, L), axis=1, the same values of each feature in ru
 AVX-512 vectors only)."""
 import numpy as np
 import pytest
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, at_line_offset
 
 import fastln
 
@@ -208,15 +208,6 @@ def test_each_row_is_its_own_computation_in_evaluation(rng, dtype):
             assert_bitwise_equal(dx[r:r + 1], dx_row)
 
 
-def _at_offset(a, offset):
-    """A copy of a whose data starts offset bytes past a 64-byte cache line."""
-    raw = np.empty(a.nbytes + 128, np.uint8)
-    start = (-raw.ctypes.data) % 64 + offset
-    placed = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    placed[...] = a
-    return placed
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 @pytest.mark.parametrize("features", [64, 100, 768])
 def test_results_do_not_depend_on_where_the_rows_start(rng, dtype, features):
@@ -238,15 +229,15 @@ def test_results_do_not_depend_on_where_the_rows_start(rng, dtype, features):
     def run(offset, in_place):
         results = []
         for training in (True, False):
-            x_at, dy_at = _at_offset(x, offset), _at_offset(dy, offset)
-            y = x_at if in_place else _at_offset(np.zeros_like(x), offset)
+            x_at, dy_at = at_line_offset(x, offset), at_line_offset(dy, offset)
+            y = x_at if in_place else at_line_offset(np.zeros_like(x), offset)
             # training updates the running statistics: each call gets its own copies
-            _, cache = fastln.batch_norm_forward(_at_offset(x, offset), gamma, beta,
+            _, cache = fastln.batch_norm_forward(at_line_offset(x, offset), gamma, beta,
                                                  running_mean.copy(), running_var.copy(),
                                                  training=training)
             fastln.batch_norm(x_at, gamma, beta, running_mean.copy(), running_var.copy(),
                               training=training, out=y)
-            dx = dy_at if in_place else _at_offset(np.zeros_like(dy), offset)
+            dx = dy_at if in_place else at_line_offset(np.zeros_like(dy), offset)
             fastln.batch_norm_backward(dy_at, cache, gamma, out=dx)
             results += [y.copy(), dx.copy()]
         return results

@@ -9,6 +9,7 @@ from conftest import (
     Snapshot,
     assert_bitwise_equal,
     assert_close,
+    at_line_offset,
     assert_output_array,
     make_layout,
     onnx_node_cases,
@@ -688,15 +689,6 @@ def test_channels_last_groups_do_not_depend_on_a_rare_neighbour(dtype):
     assert (y_constant[0][..., 8:16] == 0).all()
 
 
-def _at_offset(a, offset):
-    """A copy of a whose data starts offset bytes past a 64-byte cache line."""
-    raw = np.empty(a.nbytes + 128, np.uint8)
-    start = (-raw.ctypes.data) % 64 + offset
-    placed = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    placed[...] = a
-    return placed
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 @pytest.mark.parametrize("spatial", [(7, 7), (16, 16), (32, 32), (5, 130)])
 def test_results_do_not_depend_on_where_the_channels_start(rng, dtype, spatial):
@@ -711,8 +703,8 @@ def test_results_do_not_depend_on_where_the_channels_start(rng, dtype, spatial):
     beta = rng.standard_normal(8).astype(np.float32)
 
     def run(offset, in_place):
-        x_at = _at_offset(x, offset)
-        y = x_at if in_place else _at_offset(np.zeros_like(x), offset)
+        x_at = at_line_offset(x, offset)
+        y = x_at if in_place else at_line_offset(np.zeros_like(x), offset)
         fastln.group_norm(x_at, 4, gamma, beta, out=y)
         return y.copy()
 

@@ -738,8 +738,8 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
     }
     if (streaming) fastln_streaming_fence();
 #if FASTLN_MASKED
-    /* The last values in one masked vector (as ln_write_float); a single one alone, which
-     * measured faster (docs/performance.md). */
+    /* The last values in one masked vector (as ln_write_float); a single one alone (a one-lane
+     * masked vector measured slower in BatchNorm's backward segments). */
     if (i + 1 < n) {
         const int64_t left = n - i;
         const FASTLN_VF out =
@@ -788,9 +788,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_float_channel)(const FASTLN_NAME(gn_channel) *
 }
 #endif
 
-#ifndef FASTLN_GN_HEAD_MIN_BYTES
 #define FASTLN_GN_HEAD_MIN_BYTES 2048
-#endif
 
 /* The write pass over n values of one channel: in float for the float32-compute types whose
  * scale fits a float (as ln_write), else in double. With streaming set (and y aligned), y goes
