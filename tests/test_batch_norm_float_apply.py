@@ -212,10 +212,10 @@ def test_each_row_is_its_own_computation_in_evaluation(rng, dtype):
 @pytest.mark.parametrize("features", [64, 100, 768])
 def test_results_do_not_depend_on_where_the_rows_start(rng, dtype, features):
     """The rows layout's write passes take each row's columns up to the output's next cache line
-    apart from the rest (fastln/forward.h, line_head; float64's double pass too), and a
-    row's first and last columns in one masked vector: y and dx, in training and evaluation, in place or not, must be the
-    bits of the same arrays starting on a line, whatever the element offset from one, also with
-    Inf, NaN and float-overflowing values in the first and last columns."""
+    apart from the rest (fastln/forward.h, line_head; float64's double pass too), and a row's
+    first and last columns in one masked vector: y and dx, in training and evaluation, in place
+    or not, must be the bits of the same arrays starting on a line, whatever the element offset
+    from one, also with Inf, NaN and float-overflowing values in the first and last columns."""
     rows = 9
     x = (1e3 + 50 * rng.standard_normal((rows, features))).astype(dtype)
     x[1, 0], x[2, 5], x[4, features - 1], x[6, 2] = np.inf, np.nan, -np.inf, dtype(6e4)
