@@ -11,6 +11,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_close,
     assert_output_array,
+    at_line_offset,
     make_layout,
     numeric_gradient,
     random_input,
@@ -407,3 +408,31 @@ def test_caches_are_rejected_by_the_other_backward(rng):
         fastln.rms_norm_backward(np.ones((3, 4)), ln_cache)
     with pytest.raises(ValueError, match="cache comes from rms_norm_forward"):
         fastln.layer_norm_backward(np.ones((3, 4)), rms_cache)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_results_do_not_depend_on_where_the_rows_start(rng, dtype):
+    """The residual add takes each row's columns up to the sum's next cache line apart from the
+    rest (fastln/forward.h, add_row): the sum and y, with and without bias, must be the bits of
+    the same arrays starting on a line, whatever the element offset from one."""
+    x = (100 * rng.standard_normal((5, 768))).astype(dtype)
+    x[0, 0], x[4, 767] = np.nan, np.inf
+    residual = rng.standard_normal((5, 768)).astype(dtype)
+    gamma, beta, bias = (rng.standard_normal(768).astype(np.float32) for _ in range(3))
+
+    def run(offset, with_bias):
+        results = []
+        for op, params in ((fastln.add_layer_norm, (gamma, beta)), (fastln.add_rms_norm, (gamma,))):
+            s = at_line_offset(np.zeros_like(x), offset)
+            y = at_line_offset(np.zeros_like(x), offset)
+            op(at_line_offset(x, offset), at_line_offset(residual, offset), *params,
+               bias=bias if with_bias else None, out=y, sum_out=s)
+            results += [s.copy(), y.copy()]
+        return results
+
+    with np.errstate(invalid="ignore"):
+        for with_bias in (False, True):
+            expected = run(0, with_bias)
+            for offset in range(x.itemsize, 64, x.itemsize):
+                for got, want in zip(run(offset, with_bias), expected):
+                    assert_bitwise_equal(got, want, err_msg=f"offset {offset}")

@@ -331,11 +331,27 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
 
 /* ---- residual add + norm ---------------------------------------------------------------- */
 
+/* How many of a row's first columns the write passes take before whole-line stores
+ * (fastln_elements_to_line; fastln_rows_head for rows written together): a store that straddles
+ * two lines costs two. Only where a float32 or float64 vector is a whole line (AVX-512). A
+ * half-format vector is half a line, and an AVX2 head is written partly one element at a time:
+ * there the head cost more than the straddling stores it saved (docs/performance.md). */
+FASTLN_INLINE int64_t FASTLN_NAME(line_head)(const FASTLN_T *y, int64_t n, int together)
+{
+#if (FASTLN_STORAGE == FASTLN_FLOAT32 || FASTLN_STORAGE == FASTLN_FLOAT64) && FASTLN_MASKED
+    return together ? fastln_rows_head(y, sizeof(FASTLN_T), n)
+                    : fastln_elements_to_line(y, sizeof(FASTLN_T), n);
+#else
+    (void)y, (void)n, (void)together;
+    return 0;
+#endif
+}
+
 /* s = x + residual (+ bias) over one row, in double and rounded once (to float32 and then to the
  * half format for the half types, as NumPy's float16 addition rounds: exactly NumPy's
  * x + residual without bias). s may be x or residual itself: each element is read before it is
  * written. bias may be NULL. */
-FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *residual,
+FASTLN_INLINE void FASTLN_NAME(add_span)(const FASTLN_T *x, const FASTLN_T *residual,
                                         const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols,
                                         int in_float)
 {
@@ -378,6 +394,19 @@ FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *res
     }
 }
 
+/* add_span over the row's columns up to s's next cache line, then over the rest with
+ * whole-line stores (line_head; s is usually x's or the residual's offset, so their loads
+ * align too). */
+FASTLN_OUTLINED void FASTLN_NAME(add_row)(const FASTLN_T *x, const FASTLN_T *residual,
+                                        const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols,
+                                        int in_float)
+{
+    const int64_t head = FASTLN_NAME(line_head)(s, n_cols, 0);
+    if (head > 0) FASTLN_NAME(add_span)(x, residual, bias, s, head, in_float);
+    FASTLN_NAME(add_span)(x + head, residual + head, bias ? bias + head : NULL, s + head,
+                          n_cols - head, in_float);
+}
+
 /* ---- BatchNorm: y = ((x - shift) - center) * scale + offset ----------------------------- */
 
 /* One element in double (the rows' and segments' tails, and the float apply's fallback). */
@@ -386,22 +415,6 @@ FASTLN_INLINE FASTLN_T FASTLN_NAME(bn_apply1_double)(FASTLN_T x, double shift, d
 {
     return FASTLN_NAME(from_double)(((FASTLN_NAME(to_double)(x) - shift) - center) * scale
                                     + offset);
-}
-
-/* How many of a row's first columns the write passes take before whole-line stores
- * (fastln_elements_to_line; fastln_rows_head for rows written together): a store that straddles
- * two lines costs two. Only where a float32 or float64 vector is a whole line (AVX-512). A
- * half-format vector is half a line, and an AVX2 head is written partly one element at a time:
- * there the head cost more than the straddling stores it saved (docs/performance.md). */
-FASTLN_INLINE int64_t FASTLN_NAME(line_head)(const FASTLN_T *y, int64_t n, int together)
-{
-#if (FASTLN_STORAGE == FASTLN_FLOAT32 || FASTLN_STORAGE == FASTLN_FLOAT64) && FASTLN_MASKED
-    return together ? fastln_rows_head(y, sizeof(FASTLN_T), n)
-                    : fastln_elements_to_line(y, sizeof(FASTLN_T), n);
-#else
-    (void)y, (void)n, (void)together;
-    return 0;
-#endif
 }
 
 /* Columns [c, end) of n_rows rows (n values from one row to the next) in double, a vector of
