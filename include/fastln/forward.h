@@ -347,10 +347,10 @@ FASTLN_INLINE int64_t FASTLN_NAME(line_head)(const FASTLN_T *y, int64_t n, int t
 #endif
 }
 
-/* s = x + residual (+ bias) over one row, in double and rounded once (to float32 and then to the
- * half format for the half types, as NumPy's float16 addition rounds: exactly NumPy's
- * x + residual without bias). s may be x or residual itself: each element is read before it is
- * written. bias may be NULL. */
+/* s = x + residual (+ bias) over n_cols values of a row, in double and rounded once (to float32
+ * and then to the half format for the half types, as NumPy's float16 addition rounds: exactly
+ * NumPy's x + residual without bias). s may be x or residual itself: each element is read before
+ * it is written. bias may be NULL. */
 FASTLN_INLINE void FASTLN_NAME(add_span)(const FASTLN_T *x, const FASTLN_T *residual,
                                         const FASTLN_P *bias, FASTLN_T *s, int64_t n_cols,
                                         int in_float)
