@@ -1825,6 +1825,15 @@ FASTLN_INLINE float FASTLN_NAME(bn_backward_float1)(FASTLN_T dy, FASTLN_T x, con
     return k * ((g - constants[3 * n + at]) - centred * constants[4 * n + at]);
 }
 
+/* The training dx of a vector in float: k * ((dy - mean_dy) - ((x - head) - tail) * coef), each
+ * lane the element's own arithmetic (whole vectors and a row's masked last ones alike). */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(bn_backward_float_of)(FASTLN_VF dy, FASTLN_VF x, FASTLN_VF head,
+                                                          FASTLN_VF tail, FASTLN_VF k,
+                                                          FASTLN_VF mean_dy, FASTLN_VF coef)
+{
+    return k * ((dy - mean_dy) - ((x - head) - tail) * coef);
+}
+
 /* One row's elements [c, end), fewer than VF_LANES, as the forward's bn_apply_row_part. */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_row_part)(const FASTLN_T *dy_row, const FASTLN_T *x_row,
                                                      FASTLN_T *dx_row, int64_t c, int64_t end,
@@ -1841,12 +1850,12 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_row_part)(const FASTLN_T *dy_row, con
         const FASTLN_VF g = FASTLN_NAME(load_c_first)(dy_row + c, left);
         FASTLN_VF v;
         if (training) {
-            const FASTLN_VF centred =
-                (FASTLN_NAME(load_c_first)(x_row + c, left)
-                 - FASTLN_ISA(load_f32_first)(constants + c, left))
-                - FASTLN_ISA(load_f32_first)(constants + n + c, left);
-            v = k * ((g - FASTLN_ISA(load_f32_first)(constants + 3 * n + c, left))
-                     - centred * FASTLN_ISA(load_f32_first)(constants + 4 * n + c, left));
+            v = FASTLN_NAME(bn_backward_float_of)(
+                g, FASTLN_NAME(load_c_first)(x_row + c, left),
+                FASTLN_ISA(load_f32_first)(constants + c, left),
+                FASTLN_ISA(load_f32_first)(constants + n + c, left), k,
+                FASTLN_ISA(load_f32_first)(constants + 3 * n + c, left),
+                FASTLN_ISA(load_f32_first)(constants + 4 * n + c, left));
         } else {
             v = g * k;
         }
@@ -1887,12 +1896,10 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_float_block)(
             const FASTLN_VF mean_dy_v = FASTLN_ISA(load_f32)(mean_dy + c);
             const FASTLN_VF coef_v = FASTLN_ISA(load_f32)(coef + c);
             FASTLN_UNROLL
-            for (int r = 0; r < n_rows; r++) {
-                const FASTLN_VF centred =
-                    (FASTLN_NAME(load_c)(x + r * n + c) - head_v) - tail_v;
-                v[r] = k_v * ((FASTLN_NAME(load_c)(dy + r * n + c) - mean_dy_v)
-                              - centred * coef_v);
-            }
+            for (int r = 0; r < n_rows; r++)
+                v[r] = FASTLN_NAME(bn_backward_float_of)(FASTLN_NAME(load_c)(dy + r * n + c),
+                                                         FASTLN_NAME(load_c)(x + r * n + c),
+                                                         head_v, tail_v, k_v, mean_dy_v, coef_v);
         } else {
             FASTLN_UNROLL
             for (int r = 0; r < n_rows; r++) v[r] = FASTLN_NAME(load_c)(dy + r * n + c) * k_v;

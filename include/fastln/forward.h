@@ -524,6 +524,14 @@ FASTLN_INLINE void FASTLN_NAME(bn_store_float)(const FASTLN_T *x, FASTLN_T *y, F
  * instead, from its x (not yet overwritten when y is x): the rule is per element, so a
  * feature's results never depend on its neighbours, nor on how rows are grouped below. */
 
+/* The float apply of a vector of x: ((x - head) - tail) * scale + offset, each lane the
+ * element's own arithmetic (whole vectors and a row's masked first or last ones alike). */
+FASTLN_INLINE FASTLN_VF FASTLN_NAME(bn_apply_float_of)(FASTLN_VF x, FASTLN_VF head, FASTLN_VF tail,
+                                                       FASTLN_VF scale, FASTLN_VF offset)
+{
+    return ((x - head) - tail) * scale + offset;
+}
+
 /* One row's elements [c, end), fewer than VF_LANES: one masked vector where the instruction set
  * has masks (each lane's arithmetic is the element's, so the bits are the same) and y is not
  * streamed (a plain store into a line that the pass streams costs more than it saves: measured),
@@ -537,11 +545,10 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_row_part)(const FASTLN_T *row, FASTLN_T 
 #if FASTLN_MASKED
     if (!streaming) {
         const int64_t left = end - c;
-        const FASTLN_VF v = ((FASTLN_NAME(load_c_first)(row + c, left)
-                              - FASTLN_ISA(load_f32_first)(head + c, left))
-                             - FASTLN_ISA(load_f32_first)(tail + c, left))
-                                * FASTLN_ISA(load_f32_first)(scale + c, left)
-                            + FASTLN_ISA(load_f32_first)(offset + c, left);
+        const FASTLN_VF v = FASTLN_NAME(bn_apply_float_of)(
+            FASTLN_NAME(load_c_first)(row + c, left), FASTLN_ISA(load_f32_first)(head + c, left),
+            FASTLN_ISA(load_f32_first)(tail + c, left), FASTLN_ISA(load_f32_first)(scale + c, left),
+            FASTLN_ISA(load_f32_first)(offset + c, left));
         if (!FASTLN_ISA(any_not_finite)(v)) {
             FASTLN_NAME(store_c_first)(out + c, v, left);
             return;
@@ -579,7 +586,8 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_float_block)(const FASTLN_T *x, FASTLN_T
         FASTLN_VF v[FASTLN_BN_APPLY_GROUP];
         FASTLN_UNROLL
         for (int r = 0; r < n_rows; r++)
-            v[r] = ((FASTLN_NAME(load_c)(x + r * n + c) - head_v) - tail_v) * scale_v + offset_v;
+            v[r] = FASTLN_NAME(bn_apply_float_of)(FASTLN_NAME(load_c)(x + r * n + c), head_v,
+                                                  tail_v, scale_v, offset_v);
         if (__builtin_expect(FASTLN_ISA(any_not_finite_of)(v, n_rows), 0)) {
             for (int r = 0; r < n_rows; r++)
                 FASTLN_NAME(bn_store_float)(x + r * n + c, y + r * n + c, v[r], k, c, 1,
