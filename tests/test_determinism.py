@@ -9,7 +9,8 @@ import pytest
 
 import fastln
 from fastln import reference
-from conftest import DTYPES, LAYOUTS, assert_bitwise_equal, make_layout, random_input, random_params
+from conftest import (DTYPES, LAYOUTS, assert_bitwise_equal, at_line_offset, make_layout,
+                      random_input, random_params)
 
 BIG_SHAPES = [(2048, 256), (300, 1000), (1000, 67), (97, 1023)]
 ALL_THREADS = (1, 2, 3, 4)
@@ -345,6 +346,52 @@ def test_streamed_outputs_equal_the_same_rows_in_a_small_batch(dtype, in_place):
     assert_bitwise_equal(dgamma_again, dgamma, err_msg="dgamma")
     assert_bitwise_equal(dbeta_again, dbeta, err_msg="dbeta")
 
+
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is optional (the "half" extra)
+    ml_dtypes = None
+
+STREAMED_DTYPES = [pytest.param(np.dtype(np.float16), id="float16"),
+                   pytest.param(np.dtype(ml_dtypes.bfloat16) if ml_dtypes else None,
+                                id="bfloat16",
+                                marks=pytest.mark.skipif(ml_dtypes is None,
+                                                         reason="ml_dtypes is not installed")),
+                   pytest.param(np.dtype(np.float32), id="float32"),
+                   pytest.param(np.dtype(np.float64), id="float64")]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", STREAMED_DTYPES)
+def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms):
+    """A streamed forward writes a line that two rows share once both rows are computed
+    (fastln_shared_line). Every row of it, at every placement of the output against the cache
+    lines, in place or not, on 1 and 2 threads, and beside rows taken on the rare paths (NaN,
+    constant), must hold the bits the same rows get in small calls with ordinary stores."""
+    n_cols = 1000  # rows that end at a different place in a line each time
+    n_rows = STREAMING_BYTES // (dtype.itemsize * n_cols) + 3
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((n_rows, n_cols)) * 2 + 3).astype(dtype)
+    x[[5, n_rows // 2]] = np.nan
+    x[[6, n_rows - 2]] = 1.5
+    gamma = rng.standard_normal(n_cols).astype(dtype)
+    beta = rng.standard_normal(n_cols).astype(dtype)
+
+    def normalize(rows, out=None, num_threads=1):
+        if rms:
+            return fastln.rms_norm(rows, gamma, out=out, num_threads=num_threads)
+        return fastln.layer_norm(rows, gamma, beta, out=out, num_threads=num_threads)
+
+    expected = np.concatenate([normalize(x[r:r + 256]) for r in range(0, n_rows, 256)])
+    assert expected.nbytes >= STREAMING_BYTES
+    for offset, in_place, num_threads in [(0, False, 1), (16, False, 1), (48, True, 2),
+                                          (2 * dtype.itemsize, False, 2)]:
+        source = at_line_offset(x, offset)
+        out = source if in_place else at_line_offset(np.zeros_like(x), offset)
+        normalize(source, out=out, num_threads=num_threads)
+        assert_bitwise_equal(out, expected,
+                             err_msg=f"offset {offset}, in place {in_place}, {num_threads} threads")
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])

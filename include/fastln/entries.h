@@ -22,6 +22,9 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
      * write pass prefetches the next row, which the statistics would otherwise have read. So do
      * float64 rows, which measured no faster ahead (docs/performance.md). */
     const int ahead = FASTLN_COMPUTE_F32 && !call->streaming;
+    fastln_shared_line shared;
+    shared.line = NULL;
+    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
     fastln_ln_stats next = {0};
     if (ahead && begin < end) FASTLN_NAME(ln_statistics)(x + begin * n, n, call->eps, &next);
     for (int64_t r = begin; r < end; r++) {
@@ -33,10 +36,11 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
             FASTLN_NAME(ln_statistics)(x + r * n, n, call->eps, &stats);
         }
         FASTLN_NAME(layer_norm_write_row)(x + r * n, call->gamma, call->beta, y + r * n, n,
-                                          call->eps, &stats, call->streaming);
+                                          call->eps, &stats, streamed, r + 1 < end);
         if (mean) mean[r] = (FASTLN_P)stats.mean;
         if (rstd) rstd[r] = (FASTLN_P)stats.rstd;
     }
+    if (streamed) fastln_streaming_fence();
 }
 
 static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin, int64_t end)
@@ -46,12 +50,16 @@ static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin
     const FASTLN_T *x = call->x;
     FASTLN_T *y = call->y;
     FASTLN_P *rstd = call->rstd;
+    fastln_shared_line shared;
+    shared.line = NULL;
+    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
     for (int64_t r = begin; r < end; r++) {
         double row_rstd;
         FASTLN_NAME(rms_norm_forward_row)(x + r * n, call->gamma, y + r * n, n, call->eps,
-                                          &row_rstd, call->streaming);
+                                          &row_rstd, streamed, r + 1 < end);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
+    if (streamed) fastln_streaming_fence();
 }
 
 /* s = x + residual (+ bias), then y = LayerNorm(s) of the stored s (so y is bitwise what
@@ -71,7 +79,7 @@ static void FASTLN_NAME(add_layer_norm_forward_task)(const void *opaque, int64_t
         FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n,
                              call->add_in_float);
         FASTLN_NAME(layer_norm_forward_row)(s + r * n, call->gamma, call->beta, y + r * n, n,
-                                            call->eps, &row_mean, &row_rstd, 0);
+                                            call->eps, &row_mean, &row_rstd);
         if (mean) mean[r] = (FASTLN_P)row_mean;
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
@@ -90,7 +98,7 @@ static void FASTLN_NAME(add_rms_norm_forward_task)(const void *opaque, int64_t b
         FASTLN_NAME(add_row)(x + r * n, residual + r * n, call->bias, s + r * n, n,
                              call->add_in_float);
         FASTLN_NAME(rms_norm_forward_row)(s + r * n, call->gamma, y + r * n, n, call->eps,
-                                          &row_rstd, 0);
+                                          &row_rstd, NULL, 0);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
 }

@@ -67,7 +67,9 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
     for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
         FASTLN_NAME(ln_write_double_vector)(x, gamma, beta, y, i, shift, mean_shifted, rstd,
                                             streaming);
-    if (streaming) fastln_streaming_fence();
+    /* float64 rows stream without shared lines and fence each row: the float32-compute rows'
+     * scheme (one fence per task) measured 1.03-1.13x slower for them (docs/performance.md). */
+    if (streaming && !FASTLN_COMPUTE_F32) fastln_streaming_fence();
     for (; i < n; i++) {
         double out = ((FASTLN_NAME(to_double)(x[i]) - shift) - mean_shifted) * rstd;
         if (gamma) out *= (double)gamma[i];
@@ -109,7 +111,6 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_float)(
     for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
         FASTLN_NAME(ln_write_float_vector)(x, gamma, beta, y, i, mean_head, mean_tail, rstd,
                                            streaming);
-    if (streaming) fastln_streaming_fence();
 #if FASTLN_MASKED
     /* The last elements (and the few before y's first line, a call of their own) in one masked
      * vector instead of one at a time: each lane's arithmetic is the element's, so the bits are
@@ -162,13 +163,16 @@ FASTLN_INLINE void FASTLN_NAME(ln_write)(
 #endif
 }
 
-/* The second pass of layer_norm_forward_row: y from the row's statistics. */
+/* The second pass of layer_norm_forward_row: y from the row's statistics. streamed: NULL for
+ * plain stores, else the line this row shares with the previous one (fastln_shared_line), the
+ * row's whole lines then going out with non-temporal stores. */
 FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
     const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
-    const fastln_ln_stats *stats, int streaming)
+    const fastln_ln_stats *stats, fastln_shared_line *streamed, int next_row_follows)
 {
     if (stats->rare) {
+        if (streamed) fastln_shared_line_put(streamed);
         FASTLN_NAME(ln_write_rescaled)(x, gamma, beta, y, n_cols, stats);
         return;
     }
@@ -176,13 +180,22 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
      * (y = beta), not 0 * inf = NaN. The cache still reports rstd = inf. */
     const double x_hat_scale = stats->var + eps == 0.0 ? 0.0 : stats->rstd;
     /* The elements up to y's next cache line first, then whole-line stores. */
-    const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
-    if (head > 0)
-        FASTLN_NAME(ln_write)(x, gamma, beta, y, head, stats->shift, stats->mean_shifted,
+    const fastln_row_parts parts =
+        fastln_row_parts_of(streamed, y, sizeof(FASTLN_T), n_cols, next_row_follows);
+    if (parts.head > 0)
+        FASTLN_NAME(ln_write)(x, gamma, beta, parts.head_to, parts.head, stats->shift,
+                              stats->mean_shifted, x_hat_scale, 0);
+    fastln_row_head_written(streamed, &parts);
+    int64_t i = parts.head;
+    FASTLN_NAME(ln_write)(x + i, gamma ? gamma + i : NULL, beta ? beta + i : NULL, y + i,
+                          parts.body, stats->shift, stats->mean_shifted, x_hat_scale,
+                          streamed != NULL);
+    i += parts.body;
+    if (parts.tail > 0)
+        FASTLN_NAME(ln_write)(x + i, gamma ? gamma + i : NULL, beta ? beta + i : NULL,
+                              parts.tail_to, parts.tail, stats->shift, stats->mean_shifted,
                               x_hat_scale, 0);
-    FASTLN_NAME(ln_write)(x + head, gamma ? gamma + head : NULL, beta ? beta + head : NULL,
-                          y + head, n_cols - head, stats->shift, stats->mean_shifted,
-                          x_hat_scale, streaming);
+    fastln_row_tail_written(streamed, &parts, y, sizeof(FASTLN_T));
 }
 
 /* Forward of one row of n_cols elements: the statistics (ln_statistics) from one read of the
@@ -195,13 +208,13 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
 FASTLN_INLINE void FASTLN_NAME(layer_norm_forward_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma,
     const FASTLN_P *FASTLN_RESTRICT beta, FASTLN_T *y, int64_t n_cols, double eps,
-    double *mean_out, double *rstd_out, int streaming)
+    double *mean_out, double *rstd_out)
 {
     fastln_ln_stats stats;
     FASTLN_NAME(ln_statistics)(x, n_cols, eps, &stats);
     *mean_out = stats.mean;
     *rstd_out = stats.rstd;
-    FASTLN_NAME(layer_norm_write_row)(x, gamma, beta, y, n_cols, eps, &stats, streaming);
+    FASTLN_NAME(layer_norm_write_row)(x, gamma, beta, y, n_cols, eps, &stats, NULL, 0);
 }
 
 /* ---- RMSNorm ---------------------------------------------------------------------------- */
@@ -238,7 +251,7 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write_double)(const FASTLN_T *x, const FAST
     }
     for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_write_double_vector)(x, gamma, y, i, x_scale, streaming);
-    if (streaming) fastln_streaming_fence();
+    if (streaming && !FASTLN_COMPUTE_F32) fastln_streaming_fence(); /* as ln_write_double */
     for (; i < n; i++) {
         double out = FASTLN_NAME(to_double)(x[i]) * x_scale;
         if (gamma) out *= (double)gamma[i];
@@ -280,7 +293,6 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
         }
         for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
             FASTLN_NAME(rms_write_float_vector)(x, gamma, y, i, rstd, streaming);
-        if (streaming) fastln_streaming_fence();
 #if FASTLN_MASKED
         /* The last elements in one masked vector, as ln_write_float. */
         if (i < n) {
@@ -304,10 +316,10 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
 
 /* Forward of one row: one read for the sum of squares, then y is written in a second pass while
  * the row is still in cache. gamma may be NULL (ones). *rstd_out receives the row's
- * 1 / sqrt(mean(x * x) + eps). With streaming set, y is written with non-temporal stores. */
+ * 1 / sqrt(mean(x * x) + eps). streamed and next_row_follows as for layer_norm_write_row. */
 FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
     const FASTLN_T *x, const FASTLN_P *FASTLN_RESTRICT gamma, FASTLN_T *y, int64_t n_cols,
-    double eps, double *rstd_out, int streaming)
+    double eps, double *rstd_out, fastln_shared_line *streamed, int next_row_follows)
 {
     const double rstd = FASTLN_NAME(rms_row_rstd)(x, n_cols, eps);
     *rstd_out = rstd;
@@ -317,16 +329,25 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
         int exponent;
         const double rstd_scaled = FASTLN_NAME(rms_rescaled_rstd)(x, n_cols, eps, &exponent);
         if (!isinf(rstd_scaled)) {
+            if (streamed) fastln_shared_line_put(streamed);
             FASTLN_NAME(rms_write_rescaled)(x, gamma, y, n_cols, exponent, rstd_scaled);
             return;
         }
     }
     /* rstd = Inf here only for an all-zero row with eps = 0 (fastln_rms_x_scale: x_hat = 0). */
     const double x_scale = fastln_rms_x_scale(rstd);
-    const int64_t head = fastln_elements_to_line(y, sizeof(FASTLN_T), n_cols);
-    FASTLN_NAME(rms_write)(x, gamma, y, head, x_scale, 0);
-    FASTLN_NAME(rms_write)(x + head, gamma ? gamma + head : NULL, y + head, n_cols - head,
-                           x_scale, streaming);
+    const fastln_row_parts parts =
+        fastln_row_parts_of(streamed, y, sizeof(FASTLN_T), n_cols, next_row_follows);
+    FASTLN_NAME(rms_write)(x, gamma, parts.head_to, parts.head, x_scale, 0);
+    fastln_row_head_written(streamed, &parts);
+    int64_t i = parts.head;
+    FASTLN_NAME(rms_write)(x + i, gamma ? gamma + i : NULL, y + i, parts.body, x_scale,
+                           streamed != NULL);
+    i += parts.body;
+    if (parts.tail > 0)
+        FASTLN_NAME(rms_write)(x + i, gamma ? gamma + i : NULL, parts.tail_to, parts.tail,
+                               x_scale, 0);
+    fastln_row_tail_written(streamed, &parts, y, sizeof(FASTLN_T));
 }
 
 /* ---- residual add + norm ---------------------------------------------------------------- */

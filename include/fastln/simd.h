@@ -152,12 +152,111 @@ FASTLN_INLINE int64_t fastln_rows_head(const void *first_row, size_t size, int64
 
 /* Non-temporal ("streaming") stores write around the caches: for outputs far larger than the
  * cache they save the read-for-ownership of every output line and leave the cache to the
- * inputs. Every x86-64 CPU has them (SSE2); passes that used them end with this fence. */
+ * inputs. Every x86-64 CPU has them (SSE2). Every pass or task that used them ends with this
+ * fence, before another thread may read what it wrote (the row forwards once per task). */
 FASTLN_INLINE void fastln_streaming_fence(void)
 {
 #if defined(__x86_64__)
     _mm_sfence();
 #endif
+}
+
+/* One 64-byte line (line aligned) with non-temporal stores, from bytes in memory. */
+FASTLN_INLINE void fastln_stream_line(void *line, const void *bytes)
+{
+#if defined(__x86_64__)
+    for (int k = 0; k < 64; k += 16)
+        _mm_stream_si128((__m128i *)((char *)line + k),
+                         _mm_load_si128((const __m128i *)((const char *)bytes + k)));
+#else
+    memcpy(line, bytes, 64);
+#endif
+}
+
+/* Streamed rows go out in whole cache lines. A row rarely ends on a line (NumPy's large arrays
+ * start 16 bytes past one), so consecutive rows share a line: its first part, the end of one
+ * row, waits here until the next row's first elements complete it, and the line is then
+ * written in one non-temporal piece. Written plainly instead, the shared line is read for
+ * ownership from memory while the streamed stores queue behind it, once per row
+ * (docs/performance.md, "Streamed rows in whole lines"). */
+typedef struct {
+    unsigned char bytes[64] __attribute__((aligned(64)));
+    unsigned char *line; /* the output line that bytes[0, n_bytes) belong to, or NULL */
+    size_t n_bytes;
+} fastln_shared_line;
+
+/* A streamed row's parts: `head` elements up to y's first line, written to head_to (the shared
+ * line's bytes when they complete it, else y); `body` elements in whole lines, streamed; `tail`
+ * elements after them, written to tail_to (the shared line's bytes when the next row will
+ * complete it, else their place in y). */
+typedef struct {
+    int64_t head, body, tail;
+    void *head_to, *tail_to;
+    int head_completes_line, tail_waits;
+} fastln_row_parts;
+
+/* The shared line's bytes stored plainly at their place (the next row does not complete it). */
+FASTLN_INLINE void fastln_shared_line_put(fastln_shared_line *shared)
+{
+    if (shared->line) memcpy(shared->line, shared->bytes, shared->n_bytes);
+    shared->line = NULL;
+}
+
+/* The parts of a row of n elements of `size` bytes at y. Without a shared line (rows written
+ * plainly, and float64 rows: measured no faster with it), or for rows too short to hold a
+ * whole line, or not on an element boundary of a line: the head, then the rest as the body
+ * (whose own last elements the write passes store as they store any row's). next_row_follows:
+ * the next row is written next, by this thread. */
+FASTLN_INLINE fastln_row_parts fastln_row_parts_of(fastln_shared_line *shared, void *y,
+                                                    size_t size, int64_t n,
+                                                    int next_row_follows)
+{
+    fastln_row_parts parts;
+    parts.head = fastln_elements_to_line(y, size, n);
+    parts.body = n - parts.head;
+    parts.tail = 0;
+    parts.head_to = y;
+    parts.tail_to = NULL;
+    parts.head_completes_line = parts.tail_waits = 0;
+    if (!shared || size == sizeof(double)) return parts;
+    const int64_t line = 64 / (int64_t)size;
+    if (n * (int64_t)size < 128 || ((uintptr_t)y & 63) % size != 0) {
+        fastln_shared_line_put(shared);
+        return parts;
+    }
+    parts.body = parts.body / line * line;
+    parts.tail = n - parts.head - parts.body;
+    unsigned char *start = (unsigned char *)y;
+    if (parts.head > 0 && shared->line == start - (64 - parts.head * size)
+        && shared->n_bytes + parts.head * size == 64) {
+        parts.head_to = shared->bytes + shared->n_bytes;
+        parts.head_completes_line = 1;
+    } else {
+        fastln_shared_line_put(shared);
+    }
+    parts.tail_waits = parts.tail > 0 && next_row_follows;
+    parts.tail_to = parts.tail_waits ? shared->bytes : start + (parts.head + parts.body) * size;
+    return parts;
+}
+
+/* After the head is written: a line it completed goes out. */
+FASTLN_INLINE void fastln_row_head_written(fastln_shared_line *shared,
+                                           const fastln_row_parts *parts)
+{
+    if (parts->head_completes_line) {
+        fastln_stream_line(shared->line, shared->bytes);
+        shared->line = NULL;
+    }
+}
+
+/* After the tail is written: a tail kept for the next row becomes the shared line's start. */
+FASTLN_INLINE void fastln_row_tail_written(fastln_shared_line *shared,
+                                           const fastln_row_parts *parts, void *y, size_t size)
+{
+    if (parts->tail_waits) {
+        shared->line = (unsigned char *)y + (parts->head + parts->body) * size;
+        shared->n_bytes = (size_t)parts->tail * size;
+    }
 }
 
 /* Builds where the instruction-set variants are compiled (fastln/kernels.h); elsewhere only the
