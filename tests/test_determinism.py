@@ -362,10 +362,11 @@ STREAMED_DTYPES = [pytest.param(np.dtype(np.float16), id="float16"),
                    pytest.param(np.dtype(np.float64), id="float64")]
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", STREAMED_DTYPES)
-def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms):
-    """A streamed forward writes a line that two rows share once both rows are computed
+def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms, backward):
+    """A streamed y (or dx) writes a line that two rows share once both rows are computed
     (fastln_shared_line). Every row of it, at every placement of the output against the cache
     lines, in place or not, on 1 and 2 threads, and beside rows taken on the rare paths (NaN,
     constant), must hold the bits the same rows get in small calls with ordinary stores."""
@@ -375,21 +376,34 @@ def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms):
     x = (rng.standard_normal((n_rows, n_cols)) * 2 + 3).astype(dtype)
     x[[5, n_rows // 2]] = np.nan
     x[[6, n_rows - 2]] = 1.5
+    dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    dy[n_rows // 3] = np.inf
     gamma = rng.standard_normal(n_cols).astype(dtype)
     beta = rng.standard_normal(n_cols).astype(dtype)
 
-    def normalize(rows, out=None, num_threads=1):
+    def compute(rows, source, out=None, num_threads=1):
+        """y of source (x's rows), or dx of source (dy's rows); out may be source (in place)."""
         if rms:
-            return fastln.rms_norm(rows, gamma, out=out, num_threads=num_threads)
-        return fastln.layer_norm(rows, gamma, beta, out=out, num_threads=num_threads)
+            if not backward:
+                return fastln.rms_norm(source, gamma, out=out, num_threads=num_threads)
+            _, cache = fastln.rms_norm_forward(x[rows], gamma)
+            return fastln.rms_norm_backward(source, cache, gamma, out=out,
+                                            num_threads=num_threads)[0]
+        if not backward:
+            return fastln.layer_norm(source, gamma, beta, out=out, num_threads=num_threads)
+        _, cache = fastln.layer_norm_forward(x[rows], gamma, beta)
+        return fastln.layer_norm_backward(source, cache, gamma, out=out,
+                                          num_threads=num_threads)[0]
 
-    expected = np.concatenate([normalize(x[r:r + 256]) for r in range(0, n_rows, 256)])
+    inputs = dy if backward else x
+    expected = np.concatenate([compute(slice(r, r + 256), inputs[r:r + 256])
+                               for r in range(0, n_rows, 256)])
     assert expected.nbytes >= STREAMING_BYTES
     for offset, in_place, num_threads in [(0, False, 1), (16, False, 1), (48, True, 2),
                                           (2 * dtype.itemsize, False, 2)]:
-        source = at_line_offset(x, offset)
-        out = source if in_place else at_line_offset(np.zeros_like(x), offset)
-        normalize(source, out=out, num_threads=num_threads)
+        source = at_line_offset(inputs, offset)
+        out = source if in_place else at_line_offset(np.zeros_like(inputs), offset)
+        compute(slice(None), source, out=out, num_threads=num_threads)
         assert_bitwise_equal(out, expected,
                              err_msg=f"offset {offset}, in place {in_place}, {num_threads} threads")
 

@@ -365,7 +365,8 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
     for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
         FASTLN_NAME(ln_backward_write_double_vector)(dy, x, gamma, dx, i, &row, dgamma_acc,
                                                      dbeta_acc, stream_dx);
-    if (stream_dx) fastln_streaming_fence();
+    /* float64 rows fence each row, as the forward's (fastln/forward.h, ln_write_double). */
+    if (stream_dx && !FASTLN_COMPUTE_F32) fastln_streaming_fence();
     for (; i < n; i++)
         dx[i] = FASTLN_NAME(from_double)(FASTLN_NAME(ln_backward_dx1_double)(
             dy, x, gamma, i, &row, dgamma_acc + i, dbeta_acc + i));
@@ -515,7 +516,6 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_row)(
     for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES)
         FASTLN_NAME(ln_backward_write_float_vector)(dy, x, gamma, dx, i, &row, dgamma_acc,
                                                     dbeta_acc, stream_dx);
-    if (stream_dx) fastln_streaming_fence();
     for (; i < n; i++)
         dx[i] = FASTLN_NAME(from_compute)(FASTLN_NAME(ln_backward_dx1_float)(
             dy[i], x[i], gamma ? gamma + i : NULL, &row, dgamma_acc + i, dbeta_acc + i));
@@ -667,29 +667,41 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows)(
 FASTLN_INLINE void FASTLN_NAME(ln_backward_row_from_sums)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, double eps, FASTLN_T *dx,
     int64_t n_cols, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
-    FASTLN_P *dbeta_acc, int streaming)
+    FASTLN_P *dbeta_acc, fastln_shared_line *streamed, int next_row_follows)
 {
     /* Not finite: an Inf rstd (a constant row with eps = 0, or beyond the cache's range), a
      * product that overflowed, or a NaN or Inf in the row. */
-    if (!isfinite(sums->total_dxhat_xhat)
-        && FASTLN_NAME(ln_backward_row_rare)(dy, x, gamma, dx, n_cols, sums->rstd, eps,
-                                             sums->total_dxhat, dgamma_acc, dbeta_acc))
-        return;
+    if (!isfinite(sums->total_dxhat_xhat)) {
+        if (streamed) fastln_shared_line_put(streamed);
+        if (FASTLN_NAME(ln_backward_row_rare)(dy, x, gamma, dx, n_cols, sums->rstd, eps,
+                                              sums->total_dxhat, dgamma_acc, dbeta_acc))
+            return;
+    }
 #if !FASTLN_COMPUTE_F32
     if (FASTLN_NAME(ln_backward_maybe_underflow)(sums) && !FASTLN_NAME(all_zero)(dy, n_cols)
         && FASTLN_NAME(ln_backward_products_underflow)(dy, x, gamma, sums->mean, n_cols)) {
+        if (streamed) fastln_shared_line_put(streamed);
         FASTLN_NAME(ln_backward_row_recomputed)(dy, x, gamma, dx, n_cols, eps, dgamma_acc,
                                                 dbeta_acc);
         return;
     }
 #endif
-    /* The elements up to dx's next cache line first, then whole-line stores. */
-    const int64_t head = fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols);
-    if (head > 0)
-        FASTLN_NAME(ln_backward_write)(dy, x, gamma, dx, head, sums, dgamma_acc, dbeta_acc, 0);
-    FASTLN_NAME(ln_backward_write)(dy + head, x + head, gamma ? gamma + head : NULL, dx + head,
-                                   n_cols - head, sums, dgamma_acc + head, dbeta_acc + head,
-                                   streaming);
+    /* The elements up to dx's next cache line first, then whole-line stores (streamed: the
+     * lines shared with the neighbouring rows whole, fastln_row_parts_of). */
+    const fastln_row_parts parts =
+        fastln_row_parts_of(streamed, dx, sizeof(FASTLN_T), n_cols, next_row_follows);
+    if (parts.head > 0)
+        FASTLN_NAME(ln_backward_write)(dy, x, gamma, parts.head_to, parts.head, sums,
+                                       dgamma_acc, dbeta_acc, 0);
+    fastln_row_head_written(streamed, &parts);
+    int64_t i = parts.head;
+    FASTLN_NAME(ln_backward_write)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i, parts.body,
+                                   sums, dgamma_acc + i, dbeta_acc + i, streamed != NULL);
+    i += parts.body;
+    if (parts.tail > 0)
+        FASTLN_NAME(ln_backward_write)(dy + i, x + i, gamma ? gamma + i : NULL, parts.tail_to,
+                                       parts.tail, sums, dgamma_acc + i, dbeta_acc + i, 0);
+    fastln_row_tail_written(streamed, &parts, dx, sizeof(FASTLN_T));
 }
 
 /* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows: each row's first pass, then one
@@ -698,14 +710,17 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_row_from_sums)(
  * Each element's arithmetic, and the order in which the rows add to an accumulator, are those of
  * the single-row pass row after row: the same bits. A group with a row that the group pass does
  * not take as it is, or whose dx streams (rows from memory), goes row by row, keeping the first
- * passes already taken. mean and rstd are the group's entries of the cache. */
+ * passes already taken. mean and rstd are the group's entries of the cache. streamed: NULL, or
+ * the line shared with the previous row (fastln_row_parts_of); next_row_follows: the row after
+ * these is written next, by this thread. */
 FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *mean,
     const FASTLN_P *rstd, double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols,
-    FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc, int streaming)
+    FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc, fastln_shared_line *streamed,
+    int next_row_follows)
 {
     fastln_ln_backward_sums sums[FASTLN_BACKWARD_GROUP];
-    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streaming;
+    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streamed;
     int64_t n_summed = 0;
     for (; grouped && n_summed < n_rows; n_summed++) {
         const int64_t r = n_summed;
@@ -725,7 +740,8 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
                                                     &row_sums);
             FASTLN_NAME(ln_backward_row_from_sums)(dy + r * n_cols, x + r * n_cols, gamma, eps,
                                                    dx + r * n_cols, n_cols, row, dgamma_acc,
-                                                   dbeta_acc, streaming);
+                                                   dbeta_acc, streamed,
+                                                   r + 1 < n_rows || next_row_follows);
         }
         return;
     }
@@ -960,7 +976,8 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rows,
                                                dgamma_acc, 0, stream_dx);
-    if (stream_dx) fastln_streaming_fence();
+    /* float64 rows fence each row, as the forward's (fastln/forward.h, ln_write_double). */
+    if (stream_dx && !FASTLN_COMPUTE_F32) fastln_streaming_fence();
     for (; i < width; i++)
         for (int64_t r = 0; r < n_rows; r++) {
             const int64_t at = r * stride + i;
@@ -1048,7 +1065,6 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rstd, mean,
                                               dgamma_acc, 0, stream_dx);
-    if (stream_dx) fastln_streaming_fence();
 #if FASTLN_MASKED
     /* The last columns in one masked vector per row, as LayerNorm's float pass does. */
     if (i < width) {
@@ -1084,33 +1100,72 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
 }
 #endif
 
+/* Columns [start, start + width) of the write pass over n_rows consecutive rows (one, or a
+ * group), to `to` (dx + start, or where a streamed row's part waits: fastln_row_parts_of). */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_write_part)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *to, int64_t n_rows,
+    int64_t n_cols, int64_t start, int64_t width, const fastln_rms_backward_row *rows,
+    double *dgamma_acc, int streaming)
+{
+    if (width == 0) return;
+#if FASTLN_COMPUTE_F32
+    if (FASTLN_NAME(rms_backward_in_floats)(&rows[0])) {
+        FASTLN_NAME(rms_backward_write_rows_float)(
+            dy + start, x + start, gamma ? gamma + start : NULL, to, n_rows, n_cols, width, rows,
+            dgamma_acc + start, streaming);
+        return;
+    }
+#endif
+    FASTLN_NAME(rms_backward_write_rows_double)(
+        dy + start, x + start, gamma ? gamma + start : NULL, to, n_rows, n_cols, width, rows,
+        dgamma_acc + start, streaming);
+}
+
 /* The write pass over n_rows consecutive rows (one, or a group): the columns up to dx's next
  * cache line first, then whole-line stores. The rows of a group all start at the same offset
  * from a line only when a row is a whole number of lines; otherwise the group is stored as it
  * comes. A group only holds rows the float pass takes (rms_norm_backward_rows). */
 FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc, int streaming)
+    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc)
 {
     const int64_t head = n_rows == 1 ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols)
                                      : fastln_rows_head(dx, sizeof(FASTLN_T), n_cols);
     for (int piece = 0; piece < 2; piece++) {
         const int64_t start = piece == 0 ? 0 : head;
         const int64_t width = piece == 0 ? head : n_cols - head;
-        const int stream = piece == 1 && streaming;
         if (width == 0) continue;
 #if FASTLN_COMPUTE_F32
         if (FASTLN_NAME(rms_backward_in_floats)(&rows[0])) {
             FASTLN_NAME(rms_backward_write_rows_float)(
                 dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
-                width, rows, dgamma_acc + start, stream);
+                width, rows, dgamma_acc + start, 0);
             continue;
         }
 #endif
         FASTLN_NAME(rms_backward_write_rows_double)(
             dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
-            width, rows, dgamma_acc + start, stream);
+            width, rows, dgamma_acc + start, 0);
     }
+}
+
+/* The write pass of one streamed row, in the parts of fastln_row_parts_of. */
+FASTLN_INLINE void FASTLN_NAME(rms_backward_write_streamed)(
+    const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_cols,
+    const fastln_rms_backward_row *row, double *dgamma_acc, fastln_shared_line *streamed,
+    int next_row_follows)
+{
+    const fastln_row_parts parts =
+        fastln_row_parts_of(streamed, dx, sizeof(FASTLN_T), n_cols, next_row_follows);
+    FASTLN_NAME(rms_backward_write_part)(dy, x, gamma, parts.head_to, 1, n_cols, 0, parts.head,
+                                         row, dgamma_acc, 0);
+    fastln_row_head_written(streamed, &parts);
+    const int64_t i = parts.head;
+    FASTLN_NAME(rms_backward_write_part)(dy, x, gamma, dx + i, 1, n_cols, i, parts.body, row,
+                                         dgamma_acc, 1);
+    FASTLN_NAME(rms_backward_write_part)(dy, x, gamma, parts.tail_to, 1, n_cols, i + parts.body,
+                                         parts.tail, row, dgamma_acc, 0);
+    fastln_row_tail_written(streamed, &parts, dx, sizeof(FASTLN_T));
 }
 
 /* Backward of one row. x_hat is formed before any product, so rows of huge or tiny magnitude
@@ -1120,8 +1175,9 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
 FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
     const FASTLN_T *dy, const FASTLN_T *FASTLN_RESTRICT x, const FASTLN_P *FASTLN_RESTRICT gamma,
     double rstd, double eps, FASTLN_T *dx, int64_t n_cols, double *FASTLN_RESTRICT dgamma_acc,
-    int streaming)
+    fastln_shared_line *streamed, int next_row_follows)
 {
+    if (streamed && isinf(rstd)) fastln_shared_line_put(streamed);
     if (isinf(rstd)
         && FASTLN_NAME(rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols, dgamma_acc))
         return;
@@ -1132,23 +1188,30 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
     /* A mean beyond double (or float: dy * gamma) in a row of finite values: its products
      * overflowed (float64 dy near DBL_MAX), and the row is done from x, rescaled. */
     if (!isfinite(row.mean_dxhat_xhat) && !isinf(rstd)
-        && FASTLN_NAME(row_is_finite)(dy, x, gamma, n_cols)
-        && FASTLN_NAME(rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols, dgamma_acc))
-        return;
-    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc, streaming);
+        && FASTLN_NAME(row_is_finite)(dy, x, gamma, n_cols)) {
+        if (streamed) fastln_shared_line_put(streamed);
+        if (FASTLN_NAME(rms_backward_row_recomputed)(dy, x, gamma, eps, dx, n_cols, dgamma_acc))
+            return;
+    }
+    if (streamed)
+        FASTLN_NAME(rms_backward_write_streamed)(dy, x, gamma, dx, n_cols, &row, dgamma_acc,
+                                                 streamed, next_row_follows);
+    else
+        FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc);
 }
 
 /* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows (rstd: their cache entries): each
  * row's mean(dx_hat * x_hat), then one write pass over the group's columns that loads and stores
  * each dgamma accumulator once per group. The same bits as row after row; a group with a row of
  * Inf rstd or one the float pass does not take, or whose dx streams (rows from memory), goes row
- * by row. */
+ * by row. streamed and next_row_follows as for layer_norm_backward_rows. */
 FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *rstd,
-    double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc, int streaming)
+    double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc,
+    fastln_shared_line *streamed, int next_row_follows)
 {
     fastln_rms_backward_row rows[FASTLN_BACKWARD_GROUP];
-    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streaming;
+    int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streamed;
     for (int64_t r = 0; grouped && r < n_rows; r++) {
         rows[r].rstd = (double)rstd[r];
         rows[r].x_scale = fastln_rms_x_scale(rows[r].rstd);
@@ -1159,7 +1222,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
         for (int64_t r = 0; r < n_rows; r++)
             FASTLN_NAME(rms_norm_backward_row)(dy + r * n_cols, x + r * n_cols, gamma,
                                                (double)rstd[r], eps, dx + r * n_cols, n_cols,
-                                               dgamma_acc, streaming);
+                                               dgamma_acc, streamed,
+                                               r + 1 < n_rows || next_row_follows);
         return;
     }
     for (int64_t r = 0; grouped && r < n_rows; r++) {
@@ -1171,10 +1235,10 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
         for (int64_t r = 0; r < n_rows; r++)
             FASTLN_NAME(rms_norm_backward_row)(dy + r * n_cols, x + r * n_cols, gamma,
                                                (double)rstd[r], eps, dx + r * n_cols, n_cols,
-                                               dgamma_acc, 0);
+                                               dgamma_acc, NULL, 0);
         return;
     }
-    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc, 0);
+    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc);
 }
 
 #if FASTLN_MASKED && FASTLN_COMPUTE_F32

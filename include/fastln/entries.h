@@ -116,6 +116,10 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
     FASTLN_T *dx = call->dx;
     const FASTLN_P *mean = call->mean, *rstd = call->rstd;
     const int64_t group = call->rows_alone ? 1 : FASTLN_BACKWARD_GROUP;
+    const int64_t task_end = fastln_min(end * call->rows_per_block, call->n_rows);
+    fastln_shared_line shared;
+    shared.line = NULL;
+    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
     for (int64_t block = begin; block < end; block++) {
         const int64_t row_start = block * call->rows_per_block;
         const int64_t row_end = fastln_min(row_start + call->rows_per_block, call->n_rows);
@@ -133,7 +137,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
             FASTLN_NAME(layer_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
                                                   mean + row, rstd + row, call->eps,
                                                   dx + row * n, count, n, dgamma_acc, dbeta_acc,
-                                                  call->streaming);
+                                                  streamed, row + count < task_end);
             row += count;
 #if FASTLN_COMPUTE_F32
             if ((row - row_start) % FASTLN_ROWS_PER_FLUSH == 0 || row == row_end) {
@@ -142,6 +146,10 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
             }
 #endif
         }
+    }
+    if (streamed) {
+        fastln_shared_line_put(streamed);
+        fastln_streaming_fence();
     }
 }
 
@@ -153,6 +161,10 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
     FASTLN_T *dx = call->dx;
     const FASTLN_P *rstd = call->rstd;
     const int64_t group = call->rows_alone ? 1 : FASTLN_BACKWARD_GROUP;
+    const int64_t task_end = fastln_min(end * call->rows_per_block, call->n_rows);
+    fastln_shared_line shared;
+    shared.line = NULL;
+    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
     for (int64_t block = begin; block < end; block++) {
         const int64_t row_start = block * call->rows_per_block;
         const int64_t row_end = fastln_min(row_start + call->rows_per_block, call->n_rows);
@@ -161,9 +173,13 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
             const int64_t count = fastln_min(group, row_end - row);
             FASTLN_NAME(rms_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
                                                 rstd + row, call->eps, dx + row * n, count, n,
-                                                dgamma_partial, call->streaming);
+                                                dgamma_partial, streamed, row + count < task_end);
             row += count;
         }
+    }
+    if (streamed) {
+        fastln_shared_line_put(streamed);
+        fastln_streaming_fence();
     }
 }
 
