@@ -40,7 +40,10 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
         if (mean) mean[r] = (FASTLN_P)stats.mean;
         if (rstd) rstd[r] = (FASTLN_P)stats.rstd;
     }
-    if (streamed) fastln_streaming_fence();
+    if (streamed) {
+        fastln_shared_line_put(streamed);
+        fastln_streaming_fence();
+    }
 }
 
 static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin, int64_t end)
@@ -59,7 +62,10 @@ static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin
                                           &row_rstd, streamed, r + 1 < end);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
-    if (streamed) fastln_streaming_fence();
+    if (streamed) {
+        fastln_shared_line_put(streamed);
+        fastln_streaming_fence();
+    }
 }
 
 /* s = x + residual (+ bias), then y = LayerNorm(s) of the stored s (so y is bitwise what
