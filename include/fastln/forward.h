@@ -68,7 +68,7 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_write_double)(
         FASTLN_NAME(ln_write_double_vector)(x, gamma, beta, y, i, shift, mean_shifted, rstd,
                                             streaming);
     /* float64 rows stream without shared lines and fence each row: the float32-compute rows'
-     * scheme (one fence per task) measured 1.03-1.13x slower for them (docs/performance.md). */
+     * scheme (one fence per task) measured slower for them (docs/performance.md). */
     if (streaming && !FASTLN_COMPUTE_F32) fastln_streaming_fence();
     for (; i < n; i++) {
         double out = ((FASTLN_NAME(to_double)(x[i]) - shift) - mean_shifted) * rstd;
