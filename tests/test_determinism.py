@@ -362,15 +362,20 @@ STREAMED_DTYPES = [pytest.param(np.dtype(np.float16), id="float16"),
                    pytest.param(np.dtype(np.float64), id="float64")]
 
 
+# rows that end at a different place in a line each time; rows shorter than two lines
+N_COLS_STREAMED = [pytest.param(1000, id="1000_columns"), pytest.param(20, id="20_columns")]
+
+
+@pytest.mark.parametrize("n_cols", N_COLS_STREAMED)
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", STREAMED_DTYPES)
-def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms, backward):
+def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms, backward, n_cols):
     """A streamed y (or dx) writes a line that two rows share once both rows are computed
     (fastln_shared_line). Every row of it, at every placement of the output against the cache
     lines, in place or not, on 1 and 2 threads, and beside rows taken on the rare paths (NaN,
-    constant), must hold the bits the same rows get in small calls with ordinary stores."""
-    n_cols = 1000  # rows that end at a different place in a line each time
+    constant), must hold the bits the same rows get in small calls with ordinary stores; so must
+    rows shorter than two lines, which a streamed call writes with ordinary stores."""
     n_rows = STREAMING_BYTES // (dtype.itemsize * n_cols) + 3
     rng = np.random.default_rng(13)
     x = (rng.standard_normal((n_rows, n_cols)) * 2 + 3).astype(dtype)

@@ -696,7 +696,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_row_from_sums)(
     fastln_row_head_written(streamed, &parts);
     int64_t i = parts.head;
     FASTLN_NAME(ln_backward_write)(dy + i, x + i, gamma ? gamma + i : NULL, dx + i, parts.body,
-                                   sums, dgamma_acc + i, dbeta_acc + i, streamed != NULL);
+                                   sums, dgamma_acc + i, dbeta_acc + i, parts.stream_body);
     i += parts.body;
     if (parts.tail > 0)
         FASTLN_NAME(ln_backward_write)(dy + i, x + i, gamma ? gamma + i : NULL, parts.tail_to,
@@ -1162,7 +1162,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write_streamed)(
     fastln_row_head_written(streamed, &parts);
     const int64_t i = parts.head;
     FASTLN_NAME(rms_backward_write_part)(dy, x, gamma, dx + i, 1, n_cols, i, parts.body, row,
-                                         dgamma_acc, 1);
+                                         dgamma_acc, parts.stream_body);
     FASTLN_NAME(rms_backward_write_part)(dy, x, gamma, parts.tail_to, 1, n_cols, i + parts.body,
                                          parts.tail, row, dgamma_acc, 0);
     fastln_row_tail_written(streamed, &parts, dx, sizeof(FASTLN_T));

@@ -189,7 +189,7 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_write_row)(
     int64_t i = parts.head;
     FASTLN_NAME(ln_write)(x + i, gamma ? gamma + i : NULL, beta ? beta + i : NULL, y + i,
                           parts.body, stats->shift, stats->mean_shifted, x_hat_scale,
-                          streamed != NULL);
+                          parts.stream_body);
     i += parts.body;
     if (parts.tail > 0)
         FASTLN_NAME(ln_write)(x + i, gamma ? gamma + i : NULL, beta ? beta + i : NULL,
@@ -342,7 +342,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_forward_row)(
     fastln_row_head_written(streamed, &parts);
     int64_t i = parts.head;
     FASTLN_NAME(rms_write)(x + i, gamma ? gamma + i : NULL, y + i, parts.body, x_scale,
-                           streamed != NULL);
+                           parts.stream_body);
     i += parts.body;
     if (parts.tail > 0)
         FASTLN_NAME(rms_write)(x + i, gamma ? gamma + i : NULL, parts.tail_to, parts.tail,

@@ -193,6 +193,7 @@ typedef struct {
     int64_t head, body, tail;
     void *head_to, *tail_to;
     int head_completes_line, tail_waits;
+    int stream_body; /* whether the body goes out with non-temporal stores */
 } fastln_row_parts;
 
 /* The shared line's bytes stored plainly at their place (the next row does not complete it). */
@@ -203,10 +204,12 @@ FASTLN_INLINE void fastln_shared_line_put(fastln_shared_line *shared)
 }
 
 /* The parts of a row of n elements of `size` bytes at y. Without a shared line (rows written
- * plainly, and float64 rows: measured no faster with it), or for rows too short to hold a
- * whole line, or not on an element boundary of a line: the head, then the rest as the body
- * (whose own last elements the write passes store as they store any row's). next_row_follows:
- * the next row is written next, by this thread. */
+ * plainly, and float64 rows: measured no faster with it), or not on an element boundary of a
+ * line: the head, then the rest as the body (whose own last elements the write passes store
+ * as they store any row's). Rows shorter than two lines are written plainly: streamed, each
+ * line took plain and non-temporal stores from neighbouring rows, and such calls ran at a third
+ * of the speed of plain stores (docs/performance.md). next_row_follows: the next row is
+ * written next, by this thread. */
 FASTLN_INLINE fastln_row_parts fastln_row_parts_of(fastln_shared_line *shared, void *y,
                                                     size_t size, int64_t n,
                                                     int next_row_follows)
@@ -218,10 +221,12 @@ FASTLN_INLINE fastln_row_parts fastln_row_parts_of(fastln_shared_line *shared, v
     parts.head_to = y;
     parts.tail_to = NULL;
     parts.head_completes_line = parts.tail_waits = 0;
+    parts.stream_body = shared != NULL;
     if (!shared || size == sizeof(double)) return parts;
     const int64_t line = 64 / (int64_t)size;
     if (n * (int64_t)size < 128 || ((uintptr_t)y & 63) % size != 0) {
         fastln_shared_line_put(shared);
+        parts.stream_body = n * (int64_t)size >= 128;
         return parts;
     }
     parts.body = parts.body / line * line;
