@@ -207,9 +207,8 @@ FASTLN_INLINE void fastln_shared_line_put(fastln_shared_line *shared)
  * plainly, and float64 rows: measured no faster with it), or not on an element boundary of a
  * line: the head, then the rest as the body (whose own last elements the write passes store
  * as they store any row's). Rows shorter than two lines are written plainly: streamed, each
- * line took plain and non-temporal stores from neighbouring rows, and such calls ran at a third
- * of the speed of plain stores (docs/performance.md). next_row_follows: the next row is
- * written next, by this thread. */
+ * line took plain and non-temporal stores from neighbouring rows, which measured far slower
+ * (docs/performance.md). next_row_follows: the next row is written next, by this thread. */
 FASTLN_INLINE fastln_row_parts fastln_row_parts_of(fastln_shared_line *shared, void *y,
                                                     size_t size, int64_t n,
                                                     int next_row_follows)
