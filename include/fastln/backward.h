@@ -1131,6 +1131,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
 {
     const int64_t head = n_rows == 1 ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols)
                                      : fastln_rows_head(dx, sizeof(FASTLN_T), n_cols);
+    /* Its own loop, not two calls of rms_backward_write_part: GCC compiled that form slower in
+     * cache for float32 (docs/performance.md). */
     for (int piece = 0; piece < 2; piece++) {
         const int64_t start = piece == 0 ? 0 : head;
         const int64_t width = piece == 0 ? head : n_cols - head;

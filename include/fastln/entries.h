@@ -23,8 +23,7 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
      * float64 rows, which measured no faster ahead (docs/performance.md). */
     const int ahead = FASTLN_COMPUTE_F32 && !call->streaming;
     fastln_shared_line shared;
-    shared.line = NULL;
-    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
+    fastln_shared_line *streamed = fastln_shared_line_start(&shared, call->streaming);
     fastln_ln_stats next = {0};
     if (ahead && begin < end) FASTLN_NAME(ln_statistics)(x + begin * n, n, call->eps, &next);
     for (int64_t r = begin; r < end; r++) {
@@ -40,10 +39,7 @@ static void FASTLN_NAME(layer_norm_forward_task)(const void *opaque, int64_t beg
         if (mean) mean[r] = (FASTLN_P)stats.mean;
         if (rstd) rstd[r] = (FASTLN_P)stats.rstd;
     }
-    if (streamed) {
-        fastln_shared_line_put(streamed);
-        fastln_streaming_fence();
-    }
+    fastln_shared_line_finish(streamed);
 }
 
 static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin, int64_t end)
@@ -54,18 +50,14 @@ static void FASTLN_NAME(rms_norm_forward_task)(const void *opaque, int64_t begin
     FASTLN_T *y = call->y;
     FASTLN_P *rstd = call->rstd;
     fastln_shared_line shared;
-    shared.line = NULL;
-    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
+    fastln_shared_line *streamed = fastln_shared_line_start(&shared, call->streaming);
     for (int64_t r = begin; r < end; r++) {
         double row_rstd;
         FASTLN_NAME(rms_norm_forward_row)(x + r * n, call->gamma, y + r * n, n, call->eps,
                                           &row_rstd, streamed, r + 1 < end);
         if (rstd) rstd[r] = (FASTLN_P)row_rstd;
     }
-    if (streamed) {
-        fastln_shared_line_put(streamed);
-        fastln_streaming_fence();
-    }
+    fastln_shared_line_finish(streamed);
 }
 
 /* s = x + residual (+ bias), then y = LayerNorm(s) of the stored s (so y is bitwise what
@@ -124,8 +116,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
     const int64_t group = call->rows_alone ? 1 : FASTLN_BACKWARD_GROUP;
     const int64_t task_end = fastln_min(end * call->rows_per_block, call->n_rows);
     fastln_shared_line shared;
-    shared.line = NULL;
-    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
+    fastln_shared_line *streamed = fastln_shared_line_start(&shared, call->streaming);
     for (int64_t block = begin; block < end; block++) {
         const int64_t row_start = block * call->rows_per_block;
         const int64_t row_end = fastln_min(row_start + call->rows_per_block, call->n_rows);
@@ -153,10 +144,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
 #endif
         }
     }
-    if (streamed) {
-        fastln_shared_line_put(streamed);
-        fastln_streaming_fence();
-    }
+    fastln_shared_line_finish(streamed);
 }
 
 static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begin, int64_t end)
@@ -169,8 +157,7 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
     const int64_t group = call->rows_alone ? 1 : FASTLN_BACKWARD_GROUP;
     const int64_t task_end = fastln_min(end * call->rows_per_block, call->n_rows);
     fastln_shared_line shared;
-    shared.line = NULL;
-    fastln_shared_line *streamed = call->streaming ? &shared : NULL;
+    fastln_shared_line *streamed = fastln_shared_line_start(&shared, call->streaming);
     for (int64_t block = begin; block < end; block++) {
         const int64_t row_start = block * call->rows_per_block;
         const int64_t row_end = fastln_min(row_start + call->rows_per_block, call->n_rows);
@@ -183,10 +170,7 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
             row += count;
         }
     }
-    if (streamed) {
-        fastln_shared_line_put(streamed);
-        fastln_streaming_fence();
-    }
+    fastln_shared_line_finish(streamed);
 }
 
 /* Tasks are columns: each column's partial sums added in block order into dgamma (and dbeta:

@@ -196,11 +196,28 @@ typedef struct {
     int stream_body; /* whether the body goes out with non-temporal stores */
 } fastln_row_parts;
 
+/* A row task's shared line: *shared when the call streams, else NULL (rows written plainly). */
+FASTLN_INLINE fastln_shared_line *fastln_shared_line_start(fastln_shared_line *shared,
+                                                           int streaming)
+{
+    shared->line = NULL;
+    return streaming ? shared : NULL;
+}
+
 /* The shared line's bytes stored plainly at their place (the next row does not complete it). */
 FASTLN_INLINE void fastln_shared_line_put(fastln_shared_line *shared)
 {
     if (shared->line) memcpy(shared->line, shared->bytes, shared->n_bytes);
     shared->line = NULL;
+}
+
+/* The end of a row task that streamed: a line still waiting is stored plainly, and the task's
+ * non-temporal stores are fenced before another thread may read them. */
+FASTLN_INLINE void fastln_shared_line_finish(fastln_shared_line *streamed)
+{
+    if (!streamed) return;
+    fastln_shared_line_put(streamed);
+    fastln_streaming_fence();
 }
 
 /* The parts of a row of n elements of `size` bytes at y. Without a shared line (rows written
