@@ -354,8 +354,8 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
     int64_t i = 0;
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
         if (streaming) {
-            FASTLN_NAME(prefetch_step)(dy + n + i);
-            FASTLN_NAME(prefetch_step)(x + n + i);
+            FASTLN_NAME(prefetch_step_ahead)(dy + i, n);
+            FASTLN_NAME(prefetch_step_ahead)(x + i, n);
         }
         FASTLN_UNROLL
         for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
@@ -505,8 +505,8 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_float_row)(
     int64_t i = 0;
     for (; i + FASTLN_STEP <= n; i += FASTLN_STEP) {
         if (streaming) {
-            FASTLN_NAME(prefetch_step)(dy + n + i);
-            FASTLN_NAME(prefetch_step)(x + n + i);
+            FASTLN_NAME(prefetch_step_ahead)(dy + i, n);
+            FASTLN_NAME(prefetch_step_ahead)(x + i, n);
         }
         FASTLN_UNROLL
         for (int64_t v = i; v < i + FASTLN_STEP; v += FASTLN_VF_LANES)
@@ -932,8 +932,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_double_chunk)(
             scale[v][0] = scale[v][1] = (FASTLN_VD){0};
     }
     if (streaming) {
-        FASTLN_NAME(prefetch_step)(dy + stride + i);
-        FASTLN_NAME(prefetch_step)(x + stride + i);
+        FASTLN_NAME(prefetch_step_ahead)(dy + i, stride);
+        FASTLN_NAME(prefetch_step_ahead)(x + i, stride);
     }
     for (int64_t r = 0; r < n_rows; r++) {
         FASTLN_UNROLL
@@ -1022,8 +1022,8 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
         gamma_v[v] = gamma ? FASTLN_NAME(load_p)(gamma + column) : (FASTLN_VF){0};
     }
     if (streaming) {
-        FASTLN_NAME(prefetch_step)(dy + stride + i);
-        FASTLN_NAME(prefetch_step)(x + stride + i);
+        FASTLN_NAME(prefetch_step_ahead)(dy + i, stride);
+        FASTLN_NAME(prefetch_step_ahead)(x + i, stride);
     }
     for (int64_t r = 0; r < n_rows; r++) {
         FASTLN_UNROLL
