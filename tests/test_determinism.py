@@ -362,8 +362,10 @@ STREAMED_DTYPES = [pytest.param(np.dtype(np.float16), id="float16"),
                    pytest.param(np.dtype(np.float64), id="float64")]
 
 
-# rows that end at a different place in a line each time; rows shorter than two lines
-N_COLS_STREAMED = [pytest.param(1000, id="1000_columns"), pytest.param(20, id="20_columns")]
+# rows that end at a different place in a line each time; rows shorter than two lines; rows of
+# whole lines of at most 2 KiB (streamed whole from their first element when it is on 16 bytes)
+N_COLS_STREAMED = [pytest.param(1000, id="1000_columns"), pytest.param(20, id="20_columns"),
+                   pytest.param(512, id="512_columns")]
 
 
 @pytest.mark.parametrize("n_cols", N_COLS_STREAMED)

@@ -179,6 +179,9 @@ FASTLN_INLINE void fastln_stream_line(void *line, const void *bytes)
  * written in one non-temporal piece. Written plainly instead, the shared line is read for
  * ownership from memory while the streamed stores queue behind it, once per row
  * (docs/performance.md, "Streamed rows in whole lines"). */
+/* fastln_row_parts_of: streamed rows of whole lines up to this size go out whole. */
+#define FASTLN_WHOLE_ROW_MAX_BYTES 2048
+
 typedef struct {
     unsigned char bytes[64] __attribute__((aligned(64)));
     unsigned char *line; /* the output line that bytes[0, n_bytes) belong to, or NULL */
@@ -243,6 +246,19 @@ FASTLN_INLINE fastln_row_parts fastln_row_parts_of(fastln_shared_line *shared, v
     if (n * (int64_t)size < 128 || ((uintptr_t)y & 63) % size != 0) {
         fastln_shared_line_put(shared);
         parts.stream_body = n * (int64_t)size >= 128;
+        return parts;
+    }
+    /* Rows of whole lines, of at most FASTLN_WHOLE_ROW_MAX_BYTES, that start on 16 bytes
+     * (NumPy's large arrays start 16 bytes past a line): the whole row streams, in 16-byte
+     * pieces from its first element, and each line it shares with a neighbour is written by
+     * both rows in non-temporal pieces. For such short rows the three parts cost more than the
+     * write pass's loads straddling lines; longer rows measured faster in parts
+     * (docs/performance.md, "Short rows streamed from their first element"). */
+    if ((n * (int64_t)size) % 64 == 0 && n * (int64_t)size <= FASTLN_WHOLE_ROW_MAX_BYTES
+        && ((uintptr_t)y & 15) == 0) {
+        fastln_shared_line_put(shared);
+        parts.head = 0;
+        parts.body = n;
         return parts;
     }
     parts.body = parts.body / line * line;
