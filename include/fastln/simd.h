@@ -173,15 +173,16 @@ FASTLN_INLINE void fastln_stream_line(void *line, const void *bytes)
 #endif
 }
 
+/* fastln_row_parts_of: streamed rows of whole lines up to this size, starting on 16 bytes, go
+ * out whole from their first element instead of around a shared line. */
+#define FASTLN_WHOLE_ROW_MAX_BYTES 2048
+
 /* Streamed rows go out in whole cache lines. A row rarely ends on a line (NumPy's large arrays
  * start 16 bytes past one), so consecutive rows share a line: its first part, the end of one
  * row, waits here until the next row's first elements complete it, and the line is then
  * written in one non-temporal piece. Written plainly instead, the shared line is read for
  * ownership from memory while the streamed stores queue behind it, once per row
  * (docs/performance.md, "Streamed rows in whole lines"). */
-/* fastln_row_parts_of: streamed rows of whole lines up to this size go out whole. */
-#define FASTLN_WHOLE_ROW_MAX_BYTES 2048
-
 typedef struct {
     unsigned char bytes[64] __attribute__((aligned(64)));
     unsigned char *line; /* the output line that bytes[0, n_bytes) belong to, or NULL */
@@ -228,7 +229,8 @@ FASTLN_INLINE void fastln_shared_line_finish(fastln_shared_line *streamed)
  * line: the head, then the rest as the body (whose own last elements the write passes store
  * as they store any row's). Rows shorter than two lines are written plainly: streamed, each
  * line took plain and non-temporal stores from neighbouring rows, which measured far slower
- * (docs/performance.md). next_row_follows: the next row is written next, by this thread. */
+ * (docs/performance.md). Short rows of whole lines are one streamed body (below).
+ * next_row_follows: the next row is written next, by this thread. */
 FASTLN_INLINE fastln_row_parts fastln_row_parts_of(fastln_shared_line *shared, void *y,
                                                     size_t size, int64_t n,
                                                     int next_row_follows)
