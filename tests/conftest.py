@@ -24,6 +24,17 @@ try:  # hypothesis is a test extra: register a fast, reproducible profile when i
 except ImportError:  # pragma: no cover - the property tests importorskip hypothesis themselves
     pass
 
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is optional (the "half" extra)
+    ml_dtypes = None
+
+needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
+# the half formats as parameters: bfloat16 skipped without ml_dtypes
+HALF = [pytest.param(np.dtype(np.float16), id="float16"),
+        pytest.param(BFLOAT16, id="bfloat16", marks=needs_ml_dtypes)]
+
 DTYPES = (np.float32, np.float64)
 THREADS = (1, 2, 3)
 

@@ -9,8 +9,8 @@ import pytest
 
 import fastln
 from fastln import reference
-from conftest import (DTYPES, LAYOUTS, assert_bitwise_equal, at_line_offset, make_layout,
-                      random_input, random_params)
+from conftest import (DTYPES, HALF, LAYOUTS, assert_bitwise_equal, at_line_offset,
+                      make_layout, random_input, random_params)
 
 BIG_SHAPES = [(2048, 256), (300, 1000), (1000, 67), (97, 1023)]
 ALL_THREADS = (1, 2, 3, 4)
@@ -348,18 +348,8 @@ def test_streamed_outputs_equal_the_same_rows_in_a_small_batch(dtype, in_place):
 
 
 
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - ml_dtypes is optional (the "half" extra)
-    ml_dtypes = None
-
-STREAMED_DTYPES = [pytest.param(np.dtype(np.float16), id="float16"),
-                   pytest.param(np.dtype(ml_dtypes.bfloat16) if ml_dtypes else None,
-                                id="bfloat16",
-                                marks=pytest.mark.skipif(ml_dtypes is None,
-                                                         reason="ml_dtypes is not installed")),
-                   pytest.param(np.dtype(np.float32), id="float32"),
-                   pytest.param(np.dtype(np.float64), id="float64")]
+STREAMED_DTYPES = HALF + [pytest.param(np.dtype(np.float32), id="float32"),
+                          pytest.param(np.dtype(np.float64), id="float64")]
 
 
 # rows that end at a different place in a line each time; rows shorter than two lines; rows of
@@ -377,7 +367,8 @@ def test_streamed_rows_sharing_cache_lines_hold_their_own_bits(dtype, rms, backw
     (fastln_shared_line). Every row of it, at every placement of the output against the cache
     lines, in place or not, on 1 and 2 threads, and beside rows taken on the rare paths (NaN,
     constant), must hold the bits the same rows get in small calls with ordinary stores; so must
-    rows shorter than two lines, which a streamed call writes with ordinary stores."""
+    rows shorter than two lines, which a streamed call writes with ordinary stores, and short rows
+    of whole lines, which it streams whole from their first element."""
     n_rows = STREAMING_BYTES // (dtype.itemsize * n_cols) + 3
     rng = np.random.default_rng(13)
     x = (rng.standard_normal((n_rows, n_cols)) * 2 + 3).astype(dtype)

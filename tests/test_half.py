@@ -19,10 +19,14 @@ import tracemalloc
 import numpy as np
 import pytest
 from conftest import (
+    BFLOAT16,
+    HALF,
     Snapshot,
     assert_bitwise_equal,
     assert_close,
     make_layout,
+    ml_dtypes,
+    needs_ml_dtypes,
     random_input,
 )
 
@@ -30,16 +34,6 @@ import fastln
 import fastln.reference as reference
 from fastln import _kernels
 
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - ml_dtypes is optional (the "half" extra)
-    ml_dtypes = None
-
-needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else None
-
-HALF = [pytest.param(np.dtype(np.float16), id="float16"),
-        pytest.param(BFLOAT16, id="bfloat16", marks=needs_ml_dtypes)]
 KIND = {"float16": 0, "bfloat16": 1}
 # (significand bits including the implicit one, minimum normal exponent)
 FORMAT = {"float16": (11, -14), "bfloat16": (8, -126)}

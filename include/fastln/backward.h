@@ -285,6 +285,22 @@ FASTLN_INLINE int FASTLN_NAME(ln_backward_in_floats)(const fastln_ln_backward_su
 #endif
 }
 
+/* For the write passes below over rows from memory (rows of `row` elements, contiguous; for a
+ * row written in parts, a part's length, a line or two short of the row's): one step of the
+ * next row into L1, and into L2 the same step two rows on, or 8 KiB on for rows shorter than
+ * 4 KiB. Each row starts a stream the hardware prefetcher has not yet seen, so without the
+ * second prefetch the next row's first pass waited for its first lines from memory. The
+ * forward, which reads one stream, came slower with it (docs/performance.md, "The backward's
+ * rows prefetched further ahead"). */
+FASTLN_INLINE void FASTLN_NAME(prefetch_step_ahead)(const FASTLN_T *p, int64_t row)
+{
+    const int64_t further = fastln_max(2 * row, (int64_t)(8192 / sizeof(FASTLN_T)));
+    FASTLN_NAME(prefetch_step)(p + row);
+    FASTLN_UNROLL
+    for (int64_t k = 0; k < FASTLN_STEP; k += FASTLN_LINE)
+        __builtin_prefetch(p + further + k, 0, 2);
+}
+
 /* ---- LayerNorm: the write pass in double -------------------------------------------------
  *     dx = rstd / n * ((n * dx_hat - sum(dx_hat)) - x_hat * sum(dx_hat * x_hat)),
  *     x_hat = ((x - mean) - mean(d)) * rstd,   dgamma += dy * x_hat,  dbeta += dy. */

@@ -15,22 +15,6 @@ FASTLN_INLINE void FASTLN_NAME(prefetch_step)(const FASTLN_T *p)
     for (int64_t k = 0; k < FASTLN_STEP; k += FASTLN_LINE) __builtin_prefetch(p + k, 0, 3);
 }
 
-/* For a backward's write pass over rows from memory (rows of `row` elements, contiguous; for a
- * row written in parts, a part's length, a line or two short of the row's): one step of the
- * next row into L1, and into L2 the same step two rows on, or 8 KiB on for rows shorter than
- * 4 KiB. Each row starts a stream the hardware prefetcher has not yet seen, so without the
- * second prefetch the next row's first pass waited for its first lines from memory. The
- * forward, which reads one stream, came slower with it (docs/performance.md, "The backward's
- * rows prefetched further ahead"). */
-FASTLN_INLINE void FASTLN_NAME(prefetch_step_ahead)(const FASTLN_T *p, int64_t row)
-{
-    const int64_t further = fastln_max(2 * row, (int64_t)(8192 / sizeof(FASTLN_T)));
-    FASTLN_NAME(prefetch_step)(p + row);
-    FASTLN_UNROLL
-    for (int64_t k = 0; k < FASTLN_STEP; k += FASTLN_LINE)
-        __builtin_prefetch(p + further + k, 0, 2);
-}
-
 /* Whether the forward's write pass over a row of n elements prefetches the next row: only for
  * rows from memory (y streams) of at most FASTLN_PREFETCH_ROW_BYTES. Rows in cache came faster
  * without it, and so did longer rows, whose successor does not fit L1 beside them
