@@ -303,8 +303,9 @@ def test_channels_last_images_whose_first_rows_are_not_typical(image, offset, sh
 
 @pytest.mark.parametrize("channel_axis, channels", [(1, 64), (-1, 64), (-1, 56)])
 def test_streamed_output_holds_the_same_bits_as_ordinary_stores(channel_axis, channels):
-    """Inputs of 32 MiB and more write y with non-temporal stores where it is 16-byte aligned;
-    the values are those of the ordinary stores (a y one element off that alignment). 56
+    """Large inputs (channels first from 12 MiB, channels last from 32 MiB) write y with
+    non-temporal stores where it is 16-byte aligned; the values are those of the ordinary
+    stores (a y one element off that alignment). 56
     channels last end every row with fewer elements than a vector (streamed too)."""
     rng = np.random.default_rng(32)
     side = 256 if channels == 64 else 280  # 2 * channels * side**2 float32 values: >= 32 MiB
@@ -327,6 +328,38 @@ def test_streamed_output_holds_the_same_bits_as_ordinary_stores(channel_axis, ch
     finite = np.isfinite(exact)
     assert np.array_equal(finite, np.isfinite(aligned))
     assert np.abs(aligned[finite] - exact[finite]).max() <= 1e-5 * np.abs(exact[finite]).max()
+
+
+@pytest.mark.parametrize("dtype, groups", [(np.float32, 32), (np.float32, 2), (np.float64, 32)])
+def test_streamed_backward_holds_the_same_bits_as_ordinary_stores(dtype, groups):
+    """Channels first, a backward whose inputs reach 8 MiB writes dx with non-temporal stores
+    where it is 16-byte aligned; dx, dgamma and dbeta are those of the ordinary stores (a dx one
+    element off that alignment), by groups (32) and by pieces (2 groups of 4 MiB), also for
+    a channel with a NaN in dy and one far from zero."""
+    rng = np.random.default_rng(33)
+    shape = (2, 64, 128, 128)
+    assert np.prod(shape) * np.dtype(dtype).itemsize >= 8 * 1024 * 1024
+    x = _input(rng, shape, 1, dtype)
+    x[1, 8:12] += 1e4
+    gamma, beta = random_params(rng, 64, dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    dy[0, 5, 17, 3] = np.nan
+    _, cache = fastln.group_norm_forward(x, groups, gamma, beta)
+    aligned = np.empty_like(x)
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + np.dtype(dtype).itemsize
+    misaligned = raw[start:start + x.nbytes].view(dtype).reshape(shape)
+    results = [fastln.group_norm_backward(dy, cache, gamma, out=dx) for dx in (aligned, misaligned)]
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)
+    nan_group = 5 // (64 // groups)
+    per_group = 64 // groups
+    finite = np.ones(64, bool)
+    finite[nan_group * per_group:(nan_group + 1) * per_group] = False
+    assert np.isnan(aligned[0, ~finite]).all() and np.isfinite(aligned[0, finite]).all()
+    dx_ref = reference.group_norm_backward(dy[1:], reference.group_norm_forward(
+        x[1:], groups, gamma, beta)[1], gamma)[0]
+    assert_close(aligned[1:], dx_ref)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -286,10 +286,14 @@ def timed_call(module, op, x, residual, dy, gamma, beta, threads):
         s = np.empty_like(x)
         return lambda: module.add_rms_norm(x, residual, gamma, out=out, sum_out=s,
                                            num_threads=threads)
-    if op in ("group_norm", "group_norm_last"):  # NCHW shapes; 32 groups (fewer if C < 32)
+    if op.startswith("group_norm"):  # NCHW shapes; 32 groups (fewer if C < 32)
         groups = int(np.gcd(32, x.shape[1]))
         if op == "group_norm":
             return lambda: module.group_norm(x, groups, gamma, beta, out=out, num_threads=threads)
+        if op == "group_norm_backward":
+            _, cache = module.group_norm_forward(x, groups, gamma, beta)
+            return lambda: module.group_norm_backward(dy, cache, gamma, out=out,
+                                                      num_threads=threads)
         x_last = np.ascontiguousarray(np.moveaxis(x, 1, -1))
         out_last = np.empty_like(x_last)
         return lambda: module.group_norm(x_last, groups, gamma, beta, channel_axis=-1,

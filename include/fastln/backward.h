@@ -2142,10 +2142,12 @@ FASTLN_INLINE int FASTLN_NAME(gn_backward_group)(const double *sum_dy, const dou
     return isfinite(total_dxhat_xhat);
 }
 
-/* dx over n values of one channel (channels first) in double; fields as gn_backward_group. */
+/* dx over n values of one channel (channels first) in double; fields as gn_backward_group.
+ * With streaming set, the vectors go out with non-temporal stores (dx 16-byte aligned). */
 FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_double)(const FASTLN_T *dy, const FASTLN_T *x,
                                                          FASTLN_T *dx, int64_t n,
-                                                         const double *fields, double gamma)
+                                                         const double *fields, double gamma,
+                                                         int streaming)
 {
     const double mean = fields[0], correction = fields[1], rstd = fields[2];
     const double mean_dxhat = fields[3], mean_dxhat_xhat = fields[4];
@@ -2159,8 +2161,9 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_double)(const FASTLN_T *dy, c
             x_hat[h] = ((x_hat[h] - mean) - correction) * rstd;
             g[h] = rstd * ((g[h] * gamma - mean_dxhat) - x_hat[h] * mean_dxhat_xhat);
         }
-        FASTLN_NAME(store_wide)(dx + i, g[0], g[1]);
+        FASTLN_NAME(store_wide_to)(dx + i, g[0], g[1], streaming);
     }
+    if (streaming) fastln_streaming_fence();
     for (; i < n; i++) {
         const double x_hat = ((FASTLN_NAME(to_double)(x[i]) - mean) - correction) * rstd;
         dx[i] = FASTLN_NAME(from_double)(
@@ -2173,7 +2176,8 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_double)(const FASTLN_T *dy, c
  * as ln_backward_dx_float. */
 FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_float)(const FASTLN_T *dy, const FASTLN_T *x,
                                                         FASTLN_T *dx, int64_t n,
-                                                        const double *fields, float gamma)
+                                                        const double *fields, float gamma,
+                                                        int streaming)
 {
     const float mean_head = (float)fields[0], mean_tail = (float)fields[1];
     const float rstd = (float)fields[2];
@@ -2182,8 +2186,10 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_float)(const FASTLN_T *dy, co
     for (; i + FASTLN_VF_LANES <= n; i += FASTLN_VF_LANES) {
         const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x + i) - mean_head) - mean_tail) * rstd;
         const FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy + i) * gamma;
-        FASTLN_NAME(store_c)(dx + i, ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd);
+        FASTLN_NAME(store_c_to)(dx + i, ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd,
+                                streaming);
     }
+    if (streaming) fastln_streaming_fence();
     for (; i < n; i++) {
         const float x_hat = ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * rstd;
         const float dx_hat = FASTLN_NAME(to_compute)(dy[i]) * gamma;
@@ -2193,18 +2199,20 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_float)(const FASTLN_T *dy, co
 #endif
 
 /* dx over n values of one channel: in float for the float32-compute types whose rstd fits a
- * float (ln_backward_in_floats), else in double. */
+ * float (ln_backward_in_floats), else in double. With streaming set and dx 16-byte aligned,
+ * with non-temporal stores (from memory, dx's lines are not read for ownership then). */
 FASTLN_INLINE void FASTLN_NAME(gn_backward_write)(const FASTLN_T *dy, const FASTLN_T *x,
                                                   FASTLN_T *dx, int64_t n, const double *fields,
-                                                  double gamma)
+                                                  double gamma, int streaming)
 {
+    streaming = streaming && fastln_is_aligned16(dx);
 #if FASTLN_COMPUTE_F32
     if (fields[2] > 1e-30 && fields[2] < 1e30) {
-        FASTLN_NAME(gn_backward_write_float)(dy, x, dx, n, fields, (float)gamma);
+        FASTLN_NAME(gn_backward_write_float)(dy, x, dx, n, fields, (float)gamma, streaming);
         return;
     }
 #endif
-    FASTLN_NAME(gn_backward_write_double)(dy, x, dx, n, fields, gamma);
+    FASTLN_NAME(gn_backward_write_double)(dy, x, dx, n, fields, gamma, streaming);
 }
 
 /* Channels last: dx over n_rows spatial rows of width channels (rows stride values apart), in

@@ -855,7 +855,8 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_piece_write)(const fastln_gn_call *ca
                                    (FASTLN_T *)call->dx + at,
                                    fastln_min(call->piece, call->n_spatial - p * call->piece),
                                    call->group_scratch + FASTLN_GN_GROUP_FIELDS * ng,
-                                   gamma ? (double)gamma[nc % call->n_channels] : 1.0);
+                                   gamma ? (double)gamma[nc % call->n_channels] : 1.0,
+                                   call->streaming);
 }
 
 /* Backward pieces (channels first: of a channel's values) or blocks: their three sums. */

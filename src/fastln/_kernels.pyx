@@ -241,7 +241,10 @@ def set_default_num_threads(int num_threads):
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). GroupNorm streams from inputs of MIN_BYTES_FOR_STREAMING too; BatchNorm's rows
+# half types). GroupNorm streams channels last from inputs of MIN_BYTES_FOR_STREAMING too;
+# channels first, its forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING and its
+# backward dx from inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING (docs/performance.md, "GroupNorm's
+# outputs streamed from smaller calls"). BatchNorm's rows
 # layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
 # faster (docs/performance.md), and from that size its float32-compute backward sums prefetch
 # their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes
@@ -260,6 +263,8 @@ cdef enum:
     MAX_ROW_BYTES_ALONE = 8 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
+    GN_MIN_BYTES_FOR_STREAMING = 12 * 1024 * 1024
+    GN_BACKWARD_MIN_BYTES_FOR_STREAMING = 8 * 1024 * 1024
     BN_FORWARD_MIN_ELEMENTS_FOR_THREADS = 3 * MIN_ELEMENTS_FOR_THREADS
     ADD_IN_FLOAT_MAX_BYTES = 8 * 1024 * 1024
 
@@ -699,7 +704,11 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     call.n_groups = n_groups
     call.n_spatial = n_spatial
     call.channels_last = channels_last
-    call.streaming = cnp.PyArray_NBYTES(x) >= MIN_BYTES_FOR_STREAMING
+    cdef Py_ssize_t min_bytes_for_streaming = MIN_BYTES_FOR_STREAMING
+    if not channels_last:
+        min_bytes_for_streaming = (GN_BACKWARD_MIN_BYTES_FOR_STREAMING if backward
+                                   else GN_MIN_BYTES_FOR_STREAMING)
+    call.streaming = cnp.PyArray_NBYTES(x) >= min_bytes_for_streaming
     call.eps = eps
     fastln_gn_layout(call, backward)
     call.partials = <double*>calloc(max(fastln_gn_partials(call, backward), 1), sizeof(double))
