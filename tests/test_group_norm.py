@@ -362,6 +362,56 @@ def test_streamed_backward_holds_the_same_bits_as_ordinary_stores(dtype, groups)
     assert_close(aligned[1:], dx_ref)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_streamed_channels_last_backward_holds_the_same_bits(dtype):
+    """Channels last, a backward whose inputs reach 8 MiB writes dx with non-temporal stores
+    (float32-compute types, rows 16-byte aligned): the same bits as a dx one element off that
+    alignment, with a NaN in dy kept in its group."""
+    rng = np.random.default_rng(34)
+    shape = (2, 128, 128, 64)
+    x = _input(rng, shape, -1, dtype)
+    gamma, beta = random_params(rng, 64, dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    dy[0, 17, 3, 5] = np.nan  # channel 5: group 2 of 32
+    _, cache = fastln.group_norm_forward(x, 32, gamma, beta, channel_axis=-1)
+    aligned = np.empty_like(x)
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + np.dtype(dtype).itemsize
+    misaligned = raw[start:start + x.nbytes].view(dtype).reshape(shape)
+    results = [fastln.group_norm_backward(dy, cache, gamma, out=dx) for dx in (aligned, misaligned)]
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)
+    assert np.isnan(aligned[0, ..., 4:6]).all()
+    assert np.isfinite(aligned[0, ..., :4]).all() and np.isfinite(aligned[0, ..., 6:]).all()
+    dx_ref = reference.group_norm_backward(dy[1:], reference.group_norm_forward(
+        x[1:], 32, gamma, beta, channel_axis=-1)[1], gamma)[0]
+    assert_close(aligned[1:], dx_ref)
+
+
+@pytest.mark.parametrize("scale, eps", [(1e35, 1e-5), (1e-33, 0.0)])
+def test_channels_last_backward_groups_beyond_float_rstd(scale, eps):
+    """Channels last, float32: groups whose rstd a float cannot hold (beyond 1e30 or below 1e-30)
+    are written in double, the sample's other groups in float, in the same rows; each sample's
+    dx is the one it gets alone, and the reference's."""
+    rng = np.random.default_rng(35)
+    x = _input(rng, (2, 5, 7, 64), -1, np.float32)
+    x[1, ..., 8:16] *= np.float32(scale)  # groups 4-7 of 32 in sample 1
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    gamma, beta = random_params(rng, 64, np.float32)
+    _, cache = fastln.group_norm_forward(x, 32, gamma, beta, eps, channel_axis=-1)
+    assert not (1e-30 < cache.rstd[1, 4] < 1e30) and 1e-30 < cache.rstd[1, 3] < 1e30
+    dx, _, _ = fastln.group_norm_backward(dy, cache, gamma)
+    _, alone = fastln.group_norm_forward(x[1:], 32, gamma, beta, eps, channel_axis=-1)
+    assert_bitwise_equal(dx[1:], fastln.group_norm_backward(dy[1:], alone, gamma)[0])
+    exact = reference.group_norm_backward(
+        dy.astype(np.float64),
+        reference.group_norm_forward(x.astype(np.float64), 32, gamma.astype(np.float64),
+                                     beta.astype(np.float64), eps, channel_axis=-1)[1],
+        gamma.astype(np.float64))[0]
+    for n in range(2):
+        assert np.abs(dx[n] - exact[n]).max() <= 1e-6 * np.abs(exact[n]).max()
+
+
 # ---------------------------------------------------------------------------------------------
 # float16 and bfloat16: the float32 computation on the widened values, rounded once
 # ---------------------------------------------------------------------------------------------

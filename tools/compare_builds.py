@@ -296,6 +296,11 @@ def timed_call(module, op, x, residual, dy, gamma, beta, threads):
                                                       num_threads=threads)
         x_last = np.ascontiguousarray(np.moveaxis(x, 1, -1))
         out_last = np.empty_like(x_last)
+        if op == "group_norm_last_backward":
+            dy_last = np.ascontiguousarray(np.moveaxis(dy, 1, -1))
+            _, cache = module.group_norm_forward(x_last, groups, gamma, beta, channel_axis=-1)
+            return lambda: module.group_norm_backward(dy_last, cache, gamma, out=out_last,
+                                                      num_threads=threads)
         return lambda: module.group_norm(x_last, groups, gamma, beta, channel_axis=-1,
                                          out=out_last, num_threads=threads)
     axis = 1 if x.ndim > 2 else -1  # NCHW: features on axis 1

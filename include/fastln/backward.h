@@ -1406,6 +1406,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_sums_chunk)(
     }
 }
 
+#if !FASTLN_COMPUTE_F32 /* the float32-compute types sum rows in float runs (below) */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_rows)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_rows,
     int64_t n_features, int64_t row_stride, const double *FASTLN_RESTRICT mean,
@@ -1434,6 +1435,7 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_rows)(
             }
     }
 }
+#endif
 
 #if FASTLN_COMPUTE_F32
 /* Rows layout, the float32-compute types: the three sums in float runs of
@@ -2214,6 +2216,45 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_write)(const FASTLN_T *dy, const FAST
 #endif
     FASTLN_NAME(gn_backward_write_double)(dy, x, dx, n, fields, gamma, streaming);
 }
+
+#if FASTLN_COMPUTE_F32
+/* The channels-last write in float: gn_backward_write_float's arithmetic, each lane with its
+ * channel's constants (mean head and tail, rstd, gamma, mean(dx_hat), mean(dx_hat * x_hat) as
+ * gn_backward_write_float rounds them, each `width` floats, constants_stride apart), so that a
+ * value gets the same dx in either layout from the same group constants. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_backward_apply_rows_float)(
+    const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t n_rows, int64_t width,
+    int64_t stride, const float *FASTLN_RESTRICT constants, int64_t constants_stride,
+    int streaming)
+{
+    const float *head = constants, *tail = constants + constants_stride;
+    const float *rstd = constants + 2 * constants_stride, *gamma = constants + 3 * constants_stride;
+    const float *mean_dxhat = constants + 4 * constants_stride;
+    const float *mean_dxhat_xhat = constants + 5 * constants_stride;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const FASTLN_T *dy_row = dy + r * stride, *x_row = x + r * stride;
+        FASTLN_T *dx_row = dx + r * stride;
+        int64_t c = 0;
+        for (; c + FASTLN_VF_LANES <= width; c += FASTLN_VF_LANES) {
+            const FASTLN_VF rstd_v = FASTLN_ISA(load_f32)(rstd + c);
+            const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x_row + c) - FASTLN_ISA(load_f32)(head + c))
+                                     - FASTLN_ISA(load_f32)(tail + c)) * rstd_v;
+            const FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy_row + c) * FASTLN_ISA(load_f32)(gamma + c);
+            FASTLN_NAME(store_c_to)(dx_row + c,
+                                    ((dx_hat - FASTLN_ISA(load_f32)(mean_dxhat + c))
+                                     - x_hat * FASTLN_ISA(load_f32)(mean_dxhat_xhat + c)) * rstd_v,
+                                    streaming);
+        }
+        for (; c < width; c++) {
+            const float x_hat = ((FASTLN_NAME(to_compute)(x_row[c]) - head[c]) - tail[c]) * rstd[c];
+            const float dx_hat = FASTLN_NAME(to_compute)(dy_row[c]) * gamma[c];
+            dx_row[c] = FASTLN_NAME(from_compute)(((dx_hat - mean_dxhat[c])
+                                                   - x_hat * mean_dxhat_xhat[c]) * rstd[c]);
+        }
+    }
+    if (streaming) fastln_streaming_fence();
+}
+#endif
 
 /* Channels last: dx over n_rows spatial rows of width channels (rows stride values apart), in
  * double, from per-channel constants (mean, correction, rstd, gamma, mean(dx_hat),

@@ -879,9 +879,21 @@ static void FASTLN_NAME(gn_backward_sums_task)(const void *opaque, int64_t begin
         for (int64_t c = 0; c < C; c++) channel_mean[c] = (double)sample_mean[c / per_group];
         int64_t n_rows;
         const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
+        double *sum_dy = channel_mean + C, *sum_dy_d = sum_dy + C, *sum_d = sum_dy_d + C;
+#if FASTLN_COMPUTE_F32
+        /* In float runs around the group's mean, a float already (the cache's), as BatchNorm's
+         * rows layout sums, prefetching as the double loop does; a channel whose float sums do
+         * not hold (LayerNorm's rule) is summed again in double over the block. */
+        FASTLN_NAME(bn_backward_float_rows)(dy + offset, x + offset, n_rows, C, C, channel_mean,
+                                            sum_dy, sum_dy_d, sum_d, 1);
+        for (int64_t c = 0; c < C; c++)
+            FASTLN_NAME(bn_backward_rows_hold)(dy + offset, x + offset, n_rows, C, c,
+                                               channel_mean[c], sum_dy + c, sum_dy_d + c,
+                                               sum_d + c);
+#else
         FASTLN_NAME(bn_backward_sums_rows)(dy + offset, x + offset, n_rows, C, C, channel_mean,
-                                           channel_mean + C, channel_mean + 2 * C,
-                                           channel_mean + 3 * C);
+                                           sum_dy, sum_dy_d, sum_d);
+#endif
     }
 }
 
@@ -940,7 +952,58 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_finish_group)(const fastln_gn_call *c
             constants[4 * n_channel_values + c] = fields[3];
             constants[5 * n_channel_values + c] = fields[4];
         }
+#if FASTLN_COMPUTE_F32
+        /* The same rounded to float, as the channels-first float write rounds them. */
+        float *floats = fastln_gn_backward_float_constants(call) + nc;
+        for (int64_t k = 0; k < 6; k++)
+            for (int64_t c = 0; c < per_group; c++)
+                floats[k * n_channel_values + c] = (float)constants[k * n_channel_values + c];
+#endif
     }
+}
+
+/* Whether group ng's dx is written in float: the float32-compute types whose rstd fits a float
+ * (as gn_backward_write). */
+FASTLN_INLINE int FASTLN_NAME(gn_backward_in_floats)(const fastln_gn_call *call, int64_t ng)
+{
+#if FASTLN_COMPUTE_F32
+    const double rstd = call->group_scratch[FASTLN_GN_GROUP_FIELDS * ng + 2];
+    return rstd > 1e-30 && rstd < 1e30;
+#else
+    (void)call;
+    (void)ng;
+    return 0;
+#endif
+}
+
+/* Channels last: channels [first, first + width) of n_rows rows of sample n (rows C apart), in
+ * float or in double as their groups' rstd says (in_floats). */
+FASTLN_INLINE void FASTLN_NAME(gn_backward_apply_channels)(const fastln_gn_call *call, int64_t n,
+                                                           int64_t first, int64_t width,
+                                                           int64_t offset, int64_t n_rows,
+                                                           int in_floats)
+{
+    const int64_t C = call->n_channels, n_channel_values = call->n_samples * C;
+    const FASTLN_T *dy = (const FASTLN_T *)call->dy + offset, *x = (const FASTLN_T *)call->x + offset;
+    FASTLN_T *dx = (FASTLN_T *)call->dx + offset;
+#if FASTLN_COMPUTE_F32
+    if (in_floats) {
+        /* Non-temporal stores need every row's vectors 16-byte aligned. */
+        const int streaming = call->streaming && fastln_is_aligned16(dx)
+                              && C * (int64_t)sizeof(FASTLN_T) % 16 == 0
+                              && width % FASTLN_VF_LANES == 0;
+        FASTLN_NAME(gn_backward_apply_rows_float)(
+            dy, x, dx, n_rows, width, C,
+            fastln_gn_backward_float_constants(call) + n * C + first, n_channel_values,
+            streaming);
+        return;
+    }
+#else
+    (void)in_floats;
+#endif
+    FASTLN_NAME(gn_backward_apply_rows)(dy, x, dx, n_rows, width, C,
+                                        call->channel_scratch + 2 * n_channel_values + n * C + first,
+                                        n_channel_values);
 }
 
 /* dgamma and dbeta: each channel's terms added in sample order. */
@@ -1014,10 +1077,8 @@ static void FASTLN_NAME(gn_backward_parameters_task)(const void *opaque, int64_t
 static void FASTLN_NAME(gn_backward_apply_task)(const void *opaque, int64_t begin, int64_t end)
 {
     const fastln_gn_call *call = opaque;
-    const FASTLN_T *dy = call->dy, *x = call->x;
-    FASTLN_T *dx = call->dx;
     const int64_t C = call->n_channels, G = call->n_groups;
-    const int64_t per_group = C / G, n_channel_values = call->n_samples * C;
+    const int64_t per_group = C / G;
     for (int64_t task = begin; task < end; task++) {
         if (!call->channels_last) {
             const int64_t nc = task / call->n_pieces, ng = nc / C * G + nc % C / per_group;
@@ -1026,21 +1087,30 @@ static void FASTLN_NAME(gn_backward_apply_task)(const void *opaque, int64_t begi
             continue;
         }
         const int64_t n = task / call->n_pieces;
-        const double *constants = call->channel_scratch + 2 * n_channel_values + n * C;
         int64_t n_rows;
         const int64_t offset = FASTLN_NAME(gn_block)(call, task, &n_rows);
-        if (!FASTLN_NAME(gn_sample_has_rare)(call, n)) {
-            FASTLN_NAME(gn_backward_apply_rows)(dy + offset, x + offset, dx + offset, n_rows, C,
-                                                C, constants, n_channel_values);
+        /* The whole rows when every group of the sample is written the same way (rare ones
+         * aside: the constants task wrote them), else group by group. */
+        int all_floats = 1, all_doubles = 1;
+        for (int64_t g = 0; g < G; g++) {
+            if (call->rare[n * G + g]) {
+                all_floats = all_doubles = 0;
+                break;
+            }
+            const int in_floats = FASTLN_NAME(gn_backward_in_floats)(call, n * G + g);
+            all_floats &= in_floats;
+            all_doubles &= !in_floats;
+        }
+        if (all_floats || all_doubles) {
+            FASTLN_NAME(gn_backward_apply_channels)(call, n, 0, C, offset, n_rows, all_floats);
             continue;
         }
-        for (int64_t r = 0; r < n_rows; r++)
-            for (int64_t g = 0; g < G; g++) {
-                if (call->rare[n * G + g]) continue;
-                const int64_t at = offset + r * C + g * per_group;
-                FASTLN_NAME(gn_backward_apply_rows)(dy + at, x + at, dx + at, 1, per_group, C,
-                                                    constants + g * per_group, n_channel_values);
-            }
+        for (int64_t g = 0; g < G; g++) {
+            if (call->rare[n * G + g]) continue;
+            const int in_floats = FASTLN_NAME(gn_backward_in_floats)(call, n * G + g);
+            FASTLN_NAME(gn_backward_apply_channels)(call, n, g * per_group, per_group,
+                                                    offset + g * per_group, n_rows, in_floats);
+        }
     }
 }
 

@@ -38,8 +38,9 @@
 /* The doubles per (sample, channel) in channel_scratch: the forward's channels-last write
  * constants (shift, center, scale, offset, then the same in float: fastln_gn_float_constants);
  * the backward's dgamma and dbeta terms and, channels last, the six write constants of
- * fastln_gn_backward_apply_rows. */
-#define FASTLN_GN_CHANNEL_FIELDS 8
+ * gn_backward_apply_rows, then the same six in float (three doubles' room:
+ * fastln_gn_backward_float_constants). */
+#define FASTLN_GN_CHANNEL_FIELDS 11
 /* Of those, the channels-last forward's: four doubles, then four floats (two doubles' room). */
 #define FASTLN_GN_FORWARD_CHANNEL_FIELDS 6
 
@@ -96,6 +97,13 @@ static inline int64_t fastln_gn_channel_scratch(const fastln_gn_call *call, int 
 static inline float *fastln_gn_float_constants(const fastln_gn_call *call)
 {
     return (float *)(call->channel_scratch + 4 * call->n_samples * call->n_channels);
+}
+
+/* The channels-last backward's float write constants (fastln/backward.h,
+ * gn_backward_apply_rows_float), after its eight double fields. */
+static inline float *fastln_gn_backward_float_constants(const fastln_gn_call *call)
+{
+    return (float *)(call->channel_scratch + 8 * call->n_samples * call->n_channels);
 }
 
 static inline int64_t fastln_gn_group_scratch(const fastln_gn_call *call)

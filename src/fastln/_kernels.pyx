@@ -241,10 +241,10 @@ def set_default_num_threads(int num_threads):
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). GroupNorm streams channels last from inputs of MIN_BYTES_FOR_STREAMING too;
-# channels first, its forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING and its
-# backward dx from inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING (docs/performance.md, "GroupNorm's
-# outputs streamed from smaller calls"). BatchNorm's rows
+# half types). GroupNorm's forward streams y from inputs of MIN_BYTES_FOR_STREAMING too
+# channels last, of GN_MIN_BYTES_FOR_STREAMING channels first; its backward streams dx from
+# inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING in both layouts (channels last, the float32-compute
+# types; docs/performance.md, "GroupNorm's outputs streamed from smaller calls"). BatchNorm's rows
 # layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
 # faster (docs/performance.md), and from that size its float32-compute backward sums prefetch
 # their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes
@@ -705,9 +705,10 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     call.n_spatial = n_spatial
     call.channels_last = channels_last
     cdef Py_ssize_t min_bytes_for_streaming = MIN_BYTES_FOR_STREAMING
-    if not channels_last:
-        min_bytes_for_streaming = (GN_BACKWARD_MIN_BYTES_FOR_STREAMING if backward
-                                   else GN_MIN_BYTES_FOR_STREAMING)
+    if backward:
+        min_bytes_for_streaming = GN_BACKWARD_MIN_BYTES_FOR_STREAMING
+    elif not channels_last:
+        min_bytes_for_streaming = GN_MIN_BYTES_FOR_STREAMING
     call.streaming = cnp.PyArray_NBYTES(x) >= min_bytes_for_streaming
     call.eps = eps
     fastln_gn_layout(call, backward)
