@@ -39,7 +39,8 @@ def half_run(tmp_path_factory):
 
 
 CHANNEL_OPS = ("batch_norm_train", "batch_norm_eval", "batch_norm_backward", "group_norm",
-               "group_norm_last", "group_norm_backward", "instance_norm")
+               "group_norm_last", "group_norm_backward", "group_norm_last_backward",
+               "instance_norm")
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ batch_norm_train reads x twice and writes y (3 n), batch_norm_backward reads dy 
 writes dx (5 n); for arrays that fit in the cache those second reads come from it.
 batch_norm_eval, from the running statistics, reads x once and writes y (2 n). Batch norm
 reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch. Group norm and
-instance norm read it as (N, C, H, W, ...) - group_norm_last too, the same tensor laid out
-channels last, (N, H, W, ..., C) in memory - in gcd(32, C) groups (the diffusion models' 32),
+instance norm read it as (N, C, H, W, ...) - group_norm_last and group_norm_last_backward too,
+the same tensor laid out channels last, (N, H, W, ..., C) in memory - in gcd(32, C) groups (the
+diffusion models' 32),
 so that one shape times both layouts of the same tensor; a group larger than the cache is read
 twice, as a batch-norm feature is, but the standard shapes' groups fit it (2 n forward, 3 n
 backward).
@@ -144,10 +145,12 @@ def _group_norm(inputs, num_threads, out):
                    inputs.beta, EPS, out=out, num_threads=num_threads)
 
 
-def _channels_last_inputs(shape, dtype, rng):
-    """Inputs for an (N, C, H, W, ...) shape, x laid out channels last: (N, H, W, ..., C)."""
-    inputs = make_inputs(shape, dtype, rng, beta=True, per_channel=True)
+def _channels_last_inputs(shape, dtype, rng, dy=False):
+    """Inputs for an (N, C, H, W, ...) shape, x (and dy) laid out channels last: (N, H, W, ..., C)."""
+    inputs = make_inputs(shape, dtype, rng, beta=True, per_channel=True, dy=dy)
     inputs.x = np.ascontiguousarray(np.moveaxis(inputs.x, 1, -1))
+    if dy:
+        inputs.dy = np.ascontiguousarray(np.moveaxis(inputs.dy, 1, -1))
     return inputs
 
 
@@ -159,6 +162,14 @@ def _group_norm_last(inputs, num_threads, out):
 def _group_norm_backward(inputs, num_threads, out):
     _, cache = fastln.group_norm_forward(inputs.x, group_count(inputs.x.shape), inputs.gamma,
                                          inputs.beta, EPS, num_threads=num_threads)
+    return partial(fastln.group_norm_backward, inputs.dy, cache, inputs.gamma, out=out,
+                   num_threads=num_threads)
+
+
+def _group_norm_last_backward(inputs, num_threads, out):
+    _, cache = fastln.group_norm_forward(inputs.x, group_count(inputs.x.shape, -1), inputs.gamma,
+                                         inputs.beta, EPS, channel_axis=-1,
+                                         num_threads=num_threads)
     return partial(fastln.group_norm_backward, inputs.dy, cache, inputs.gamma, out=out,
                    num_threads=num_threads)
 
@@ -218,6 +229,11 @@ TABLE = (
               partial(make_inputs, beta=True, per_channel=True, dy=True),
               streams=3, memory_factor=_BACKWARD_MEMORY, batch_sums=(1, 2),
               fastln=_fastln(_group_norm_backward), fastln_call="fastln.group_norm_backward"),
+    Operation("group_norm_last_backward", "group_norm backward, channels last ((N, C, H, W) "
+              "laid out (N, H, W, C))", partial(_channels_last_inputs, dy=True),
+              streams=3, memory_factor=_BACKWARD_MEMORY, batch_sums=(1, 2),
+              fastln=_fastln(_group_norm_last_backward),
+              fastln_call="fastln.group_norm_backward (channels-last cache)"),
     Operation("instance_norm", "instance_norm forward, (N, C, H, W)",
               partial(make_inputs, beta=True, per_channel=True),
               streams=2, memory_factor=_FORWARD_MEMORY,

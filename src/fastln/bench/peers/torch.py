@@ -20,6 +20,7 @@ where PyTorch has a gradient kernel of its own.
                              the channels-last array as an (N, C, H, W) tensor in
                              torch.channels_last memory format (its channels-last kernel)
     group_norm_backward      autograd.grad of F.group_norm, the graph recorded once, untimed
+                             (group_norm_last_backward: on the channels_last tensor)
 
 Tensors share the NumPy inputs' memory (torch.from_numpy; bfloat16 through an int16 view), so
 torch reads exactly the arrays the others read; float16 and bfloat16 tensors run PyTorch's own
@@ -233,21 +234,30 @@ def _group_norm(channels_last):
     return prepare
 
 
-def _group_norm_backward(inputs, num_threads, out_buffer):
-    from fastln.bench.ops import group_count
+def _group_norm_backward(channels_last):
+    def prepare(inputs, num_threads, out_buffer):
+        from fastln.bench.ops import group_count
 
-    torch = _torch(num_threads)
-    x, gamma, beta, dy = (tensor(torch, array)
-                          for array in (inputs.x, inputs.gamma, inputs.beta, inputs.dy))
-    leaves = tuple(t.detach().requires_grad_(True) for t in (x, gamma, beta))
-    y = torch.nn.functional.group_norm(leaves[0], group_count(tuple(x.shape)), leaves[1],
-                                       leaves[2], EPS)
-    grad = torch.autograd.grad
+        torch = _torch(num_threads)
+        x, gamma, beta, dy = (tensor(torch, array)
+                              for array in (inputs.x, inputs.gamma, inputs.beta, inputs.dy))
+        if channels_last:  # (N, C, H, W) in channels_last memory format, no copy
+            x, dy = x.movedim(-1, 1), dy.movedim(-1, 1)
+        leaves = tuple(t.detach().requires_grad_(True) for t in (x, gamma, beta))
+        y = torch.nn.functional.group_norm(leaves[0], group_count(tuple(x.shape)), leaves[1],
+                                           leaves[2], EPS)
+        grad = torch.autograd.grad
 
-    def call():
-        return grad(y, leaves, dy, retain_graph=True)
+        def call():
+            return grad(y, leaves, dy, retain_graph=True)
 
-    return _prepared(torch, call, num_threads, out_buffer)
+        def result_arrays(grads):
+            dx, dgamma, dbeta = grads
+            return tuple(t.float().numpy() for t in (dx.movedim(1, -1), dgamma, dbeta))
+
+        return _prepared(torch, call, num_threads, out_buffer,
+                         result_arrays=result_arrays if channels_last else None)
+    return prepare
 
 
 def _instance_norm(inputs, num_threads, out_buffer):
@@ -284,6 +294,8 @@ IMPLEMENTATIONS = {
     "group_norm_last": _torch_implementation(
         _group_norm(True), "torch.nn.functional.group_norm, torch.channels_last"),
     "group_norm_backward": _torch_implementation(
-        _group_norm_backward, "autograd.grad of F.group_norm"),
+        _group_norm_backward(False), "autograd.grad of F.group_norm"),
+    "group_norm_last_backward": _torch_implementation(
+        _group_norm_backward(True), "autograd.grad of F.group_norm, torch.channels_last"),
     "instance_norm": _torch_implementation(_instance_norm, "torch.nn.functional.instance_norm"),
 }
