@@ -2237,9 +2237,11 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_apply_rows_float)(
         int64_t c = 0;
         for (; c + FASTLN_VF_LANES <= width; c += FASTLN_VF_LANES) {
             const FASTLN_VF rstd_v = FASTLN_ISA(load_f32)(rstd + c);
-            const FASTLN_VF x_hat = ((FASTLN_NAME(load_c)(x_row + c) - FASTLN_ISA(load_f32)(head + c))
-                                     - FASTLN_ISA(load_f32)(tail + c)) * rstd_v;
-            const FASTLN_VF dx_hat = FASTLN_NAME(load_c)(dy_row + c) * FASTLN_ISA(load_f32)(gamma + c);
+            const FASTLN_VF x_v = FASTLN_NAME(load_c)(x_row + c);
+            const FASTLN_VF x_hat =
+                ((x_v - FASTLN_ISA(load_f32)(head + c)) - FASTLN_ISA(load_f32)(tail + c)) * rstd_v;
+            const FASTLN_VF dx_hat =
+                FASTLN_NAME(load_c)(dy_row + c) * FASTLN_ISA(load_f32)(gamma + c);
             FASTLN_NAME(store_c_to)(dx_row + c,
                                     ((dx_hat - FASTLN_ISA(load_f32)(mean_dxhat + c))
                                      - x_hat * FASTLN_ISA(load_f32)(mean_dxhat_xhat + c)) * rstd_v,

@@ -984,7 +984,8 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_apply_channels)(const fastln_gn_call 
                                                            int in_floats)
 {
     const int64_t C = call->n_channels, n_channel_values = call->n_samples * C;
-    const FASTLN_T *dy = (const FASTLN_T *)call->dy + offset, *x = (const FASTLN_T *)call->x + offset;
+    const FASTLN_T *dy = (const FASTLN_T *)call->dy + offset;
+    const FASTLN_T *x = (const FASTLN_T *)call->x + offset;
     FASTLN_T *dx = (FASTLN_T *)call->dx + offset;
 #if FASTLN_COMPUTE_F32
     if (in_floats) {
@@ -1001,9 +1002,8 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_apply_channels)(const fastln_gn_call 
 #else
     (void)in_floats;
 #endif
-    FASTLN_NAME(gn_backward_apply_rows)(dy, x, dx, n_rows, width, C,
-                                        call->channel_scratch + 2 * n_channel_values + n * C + first,
-                                        n_channel_values);
+    const double *constants = call->channel_scratch + 2 * n_channel_values + n * C + first;
+    FASTLN_NAME(gn_backward_apply_rows)(dy, x, dx, n_rows, width, C, constants, n_channel_values);
 }
 
 /* dgamma and dbeta: each channel's terms added in sample order. */

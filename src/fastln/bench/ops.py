@@ -20,10 +20,9 @@ batch_norm_eval, from the running statistics, reads x once and writes y (2 n). B
 reads a shape as (N, C) or (N, C, H, W, ...), features on axis 1 as in PyTorch. Group norm and
 instance norm read it as (N, C, H, W, ...) - group_norm_last and group_norm_last_backward too,
 the same tensor laid out channels last, (N, H, W, ..., C) in memory - in gcd(32, C) groups (the
-diffusion models' 32),
-so that one shape times both layouts of the same tensor; a group larger than the cache is read
-twice, as a batch-norm feature is, but the standard shapes' groups fit it (2 n forward, 3 n
-backward).
+diffusion models' 32), so that one shape times both layouts of the same tensor; a group larger
+than the cache is read twice, as a batch-norm feature is, but the standard shapes' groups fit it
+(2 n forward, 3 n backward).
 """
 import math
 import dataclasses
@@ -146,7 +145,8 @@ def _group_norm(inputs, num_threads, out):
 
 
 def _channels_last_inputs(shape, dtype, rng, dy=False):
-    """Inputs for an (N, C, H, W, ...) shape, x (and dy) laid out channels last: (N, H, W, ..., C)."""
+    """Inputs for an (N, C, H, W, ...) shape, x (and dy) laid out channels last: (N, H, W, ...,
+    C)."""
     inputs = make_inputs(shape, dtype, rng, beta=True, per_channel=True, dy=dy)
     inputs.x = np.ascontiguousarray(np.moveaxis(inputs.x, 1, -1))
     if dy:
