@@ -363,6 +363,33 @@ def test_streamed_backward_holds_the_same_bits_as_ordinary_stores(dtype, groups)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_streamed_short_channels_hold_the_same_bits(dtype):
+    """Channels first, channels of 14 x 14 values (784 bytes in float32: not whole cache lines)
+    stream their last values too, forward from 12 MiB and backward from 8 MiB; y and dx are
+    those of the ordinary stores (outputs one element off 16-byte alignment)."""
+    rng = np.random.default_rng(36)
+    shape = (64, 256, 14, 14)
+    assert np.prod(shape) * np.dtype(dtype).itemsize >= 12 * 1024 * 1024
+    x = _input(rng, shape, 1, dtype)
+    gamma, beta = random_params(rng, 256, dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + np.dtype(dtype).itemsize
+    misaligned = raw[start:start + x.nbytes].view(dtype).reshape(shape)
+    aligned = np.empty_like(x)
+    for y in (aligned, misaligned):
+        fastln.group_norm(x, 32, gamma, beta, out=y)
+    assert_bitwise_equal(aligned, misaligned)
+    _, cache = fastln.group_norm_forward(x, 32, gamma, beta)
+    results = [fastln.group_norm_backward(dy, cache, gamma, out=dx) for dx in (aligned, misaligned)]
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)
+    dx_ref = reference.group_norm_backward(dy[:2], reference.group_norm_forward(
+        x[:2], 32, gamma, beta)[1], gamma)[0]
+    assert_close(aligned[:2], dx_ref)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_streamed_channels_last_backward_holds_the_same_bits(dtype):
     """Channels last, a backward whose inputs reach 8 MiB writes dx with non-temporal stores
     (float32-compute types, rows 16-byte aligned): the same bits as a dx one element off that

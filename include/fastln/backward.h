@@ -2165,12 +2165,14 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_double)(const FASTLN_T *dy, c
         }
         FASTLN_NAME(store_wide_to)(dx + i, g[0], g[1], streaming);
     }
-    if (streaming) fastln_streaming_fence();
-    for (; i < n; i++) {
-        const double x_hat = ((FASTLN_NAME(to_double)(x[i]) - mean) - correction) * rstd;
-        dx[i] = FASTLN_NAME(from_double)(
-            rstd * ((FASTLN_NAME(to_double)(dy[i]) * gamma - mean_dxhat) - x_hat * mean_dxhat_xhat));
+    FASTLN_T part[FASTLN_STEP]; /* the last values, streamed too (gn_write_float) */
+    for (int64_t l = i; l < n; l++) {
+        const double x_hat = ((FASTLN_NAME(to_double)(x[l]) - mean) - correction) * rstd;
+        const FASTLN_T value = FASTLN_NAME(from_double)(
+            rstd * ((FASTLN_NAME(to_double)(dy[l]) * gamma - mean_dxhat) - x_hat * mean_dxhat_xhat));
+        *(streaming ? &part[l - i] : &dx[l]) = value;
     }
+    if (streaming) FASTLN_NAME(store_elements_to)(dx + i, part, n - i, 1);
 }
 
 #if FASTLN_COMPUTE_F32
@@ -2191,12 +2193,15 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_float)(const FASTLN_T *dy, co
         FASTLN_NAME(store_c_to)(dx + i, ((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd,
                                 streaming);
     }
-    if (streaming) fastln_streaming_fence();
-    for (; i < n; i++) {
-        const float x_hat = ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * rstd;
-        const float dx_hat = FASTLN_NAME(to_compute)(dy[i]) * gamma;
-        dx[i] = FASTLN_NAME(from_compute)(((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd);
+    FASTLN_T part[FASTLN_STEP]; /* the last values, streamed too (gn_write_float) */
+    for (int64_t l = i; l < n; l++) {
+        const float x_hat = ((FASTLN_NAME(to_compute)(x[l]) - mean_head) - mean_tail) * rstd;
+        const float dx_hat = FASTLN_NAME(to_compute)(dy[l]) * gamma;
+        const FASTLN_T value =
+            FASTLN_NAME(from_compute)(((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd);
+        *(streaming ? &part[l - i] : &dx[l]) = value;
     }
+    if (streaming) FASTLN_NAME(store_elements_to)(dx + i, part, n - i, 1);
 }
 #endif
 

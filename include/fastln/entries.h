@@ -649,6 +649,7 @@ static void FASTLN_NAME(gn_forward_groups_task)(const void *opaque, int64_t begi
         FASTLN_NAME(gn_keep_statistics)(call, ng, &stats);
         FASTLN_NAME(gn_write_part)(call, ng, 0, size);
     }
+    if (call->streaming) fastln_streaming_fence(); /* the task's streamed writes (gn_write) */
 }
 
 /* Channels last: where block `task` of a sample starts, and its rows. */
@@ -813,6 +814,7 @@ static void FASTLN_NAME(gn_apply_task)(const void *opaque, int64_t begin, int64_
                                                1, FASTLN_ROWS_ALONE);
             }
     }
+    if (call->streaming) fastln_streaming_fence(); /* the task's streamed writes (gn_write) */
 }
 
 /* Channels last: the groups whose rstd is beyond double, written rescaled. One task. */
@@ -1062,6 +1064,7 @@ static void FASTLN_NAME(gn_backward_groups_task)(const void *opaque, int64_t beg
         for (int64_t nc = first + per_group - 1; nc >= first; nc--)
             for (int64_t p = P - 1; p >= 0; p--) FASTLN_NAME(gn_backward_piece_write)(call, nc, p, ng);
     }
+    if (call->streaming) fastln_streaming_fence(); /* the task's streamed dx */
 }
 
 /* After the groups: dgamma and dbeta. One task. */
@@ -1112,6 +1115,7 @@ static void FASTLN_NAME(gn_backward_apply_task)(const void *opaque, int64_t begi
                                                     offset + g * per_group, n_rows, in_floats);
         }
     }
+    if (call->streaming) fastln_streaming_fence(); /* the task's streamed dx */
 }
 
 #if FASTLN_COMPUTE_F32 && FASTLN_STORAGE != FASTLN_FLOAT32

@@ -753,7 +753,15 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_double)(const FASTLN_T *x, FASTLN_T *y
         high = ((high - k.shift) - k.mean_shifted) * k.scale + k.offset;
         FASTLN_NAME(store_wide_to)(y + i, low, high, streaming);
     }
-    if (streaming) fastln_streaming_fence();
+    if (streaming) { /* the last values streamed too (gn_write_float) */
+        FASTLN_T part[FASTLN_STEP]; /* fewer than a vector: a line of room */
+        for (int64_t l = 0; i + l < n; l++)
+            part[l] = FASTLN_NAME(from_double)(
+                ((FASTLN_NAME(to_double)(x[i + l]) - k.shift) - k.mean_shifted) * k.scale
+                + k.offset);
+        FASTLN_NAME(store_elements_to)(y + i, part, n - i, 1);
+        return;
+    }
     for (; i < n; i++)
         y[i] = FASTLN_NAME(from_double)(
             ((FASTLN_NAME(to_double)(x[i]) - k.shift) - k.mean_shifted) * k.scale + k.offset);
@@ -778,7 +786,20 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
         const FASTLN_VF out = ((FASTLN_NAME(load_c)(x + i) - mean_head) - mean_tail) * scale + offset;
         FASTLN_NAME(store_c_to)(y + i, out, streaming);
     }
-    if (streaming) fastln_streaming_fence();
+    if (streaming) {
+        /* The last values streamed too: a line written by non-temporal stores and then by
+         * plain ones (this channel's tail, or the next channel's head) made whole calls several
+         * times slower (docs/performance.md, "GroupNorm's outputs streamed from smaller
+         * calls"). Streamed calls have channels of whole 16-byte pieces (_kernels.pyx), and
+         * their tasks fence once at the end: a fence per channel flushed each channel's last
+         * line half written. */
+        FASTLN_T part[FASTLN_STEP]; /* fewer than a vector: a line of room */
+        for (int64_t l = 0; i + l < n; l++)
+            part[l] = FASTLN_NAME(from_compute)(
+                ((FASTLN_NAME(to_compute)(x[i + l]) - mean_head) - mean_tail) * scale + offset);
+        FASTLN_NAME(store_elements_to)(y + i, part, n - i, 1);
+        return;
+    }
 #if FASTLN_MASKED
     /* The last values in one masked vector (as ln_write_float); a single one alone (a one-lane
      * masked vector measured slower in BatchNorm's backward segments). */

@@ -705,11 +705,16 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     call.n_spatial = n_spatial
     call.channels_last = channels_last
     cdef Py_ssize_t min_bytes_for_streaming = MIN_BYTES_FOR_STREAMING
+    cdef Py_ssize_t channel_bytes = n_spatial * cnp.PyArray_ITEMSIZE(x)
     if backward:
         min_bytes_for_streaming = GN_BACKWARD_MIN_BYTES_FOR_STREAMING
     elif not channels_last:
         min_bytes_for_streaming = GN_MIN_BYTES_FOR_STREAMING
     call.streaming = cnp.PyArray_NBYTES(x) >= min_bytes_for_streaming
+    if not channels_last:
+        # Channels first, only channels of whole 16-byte pieces, a line or more, stream: then
+        # every store of the call is a non-temporal one (a line that gets both kinds is slow).
+        call.streaming = call.streaming and channel_bytes % 16 == 0 and channel_bytes >= 64
     call.eps = eps
     fastln_gn_layout(call, backward)
     call.partials = <double*>calloc(max(fastln_gn_partials(call, backward), 1), sizeof(double))
