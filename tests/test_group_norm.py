@@ -38,6 +38,14 @@ def _input(rng, shape, channel_axis, dtype, offset=0.0):
     return (rng.standard_normal(shape) * spreads + means).astype(dtype)
 
 
+def _one_element_off_a_line(x):
+    """An empty array like x that starts one element past a cache line: not 16-byte aligned
+    for float32 and float64, so an output there is written with ordinary stores."""
+    raw = np.empty(x.nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + x.itemsize
+    return raw[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+
+
 def _run(module, x, num_groups, gamma, beta, dy, channel_axis, num_threads=None, eps=1e-5):
     y, cache = module.group_norm_forward(x, num_groups, gamma, beta, eps,
                                          channel_axis=channel_axis, num_threads=num_threads)
@@ -316,9 +324,7 @@ def test_streamed_output_holds_the_same_bits_as_ordinary_stores(channel_axis, ch
     x.reshape(-1)[channels * 7 + 50] = np.inf
     gamma = rng.standard_normal(channels).astype(np.float32)
     aligned = np.empty_like(x)
-    raw = np.empty(x.nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64 + 4
-    misaligned = raw[start:start + x.nbytes].view(np.float32).reshape(shape)
+    misaligned = _one_element_off_a_line(x)
     num_groups = 32 if channels == 64 else 8
     for y in (aligned, misaligned):
         fastln.group_norm(x, num_groups, gamma, gamma, channel_axis=channel_axis, out=y)
@@ -346,9 +352,7 @@ def test_streamed_backward_holds_the_same_bits_as_ordinary_stores(dtype, groups)
     dy[0, 5, 17, 3] = np.nan
     _, cache = fastln.group_norm_forward(x, groups, gamma, beta)
     aligned = np.empty_like(x)
-    raw = np.empty(x.nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64 + np.dtype(dtype).itemsize
-    misaligned = raw[start:start + x.nbytes].view(dtype).reshape(shape)
+    misaligned = _one_element_off_a_line(x)
     results = [fastln.group_norm_backward(dy, cache, gamma, out=dx) for dx in (aligned, misaligned)]
     for a, b in zip(*results):
         assert_bitwise_equal(a, b)
@@ -373,9 +377,7 @@ def test_streamed_short_channels_hold_the_same_bits(dtype):
     x = _input(rng, shape, 1, dtype)
     gamma, beta = random_params(rng, 256, dtype)
     dy = rng.standard_normal(shape).astype(dtype)
-    raw = np.empty(x.nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64 + np.dtype(dtype).itemsize
-    misaligned = raw[start:start + x.nbytes].view(dtype).reshape(shape)
+    misaligned = _one_element_off_a_line(x)
     aligned = np.empty_like(x)
     for y in (aligned, misaligned):
         fastln.group_norm(x, 32, gamma, beta, out=y)
@@ -402,9 +404,7 @@ def test_streamed_channels_last_backward_holds_the_same_bits(dtype):
     dy[0, 17, 3, 5] = np.nan  # channel 5: group 2 of 32
     _, cache = fastln.group_norm_forward(x, 32, gamma, beta, channel_axis=-1)
     aligned = np.empty_like(x)
-    raw = np.empty(x.nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64 + np.dtype(dtype).itemsize
-    misaligned = raw[start:start + x.nbytes].view(dtype).reshape(shape)
+    misaligned = _one_element_off_a_line(x)
     results = [fastln.group_norm_backward(dy, cache, gamma, out=dx) for dx in (aligned, misaligned)]
     for a, b in zip(*results):
         assert_bitwise_equal(a, b)

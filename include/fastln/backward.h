@@ -278,7 +278,7 @@ FASTLN_INLINE int FASTLN_NAME(ln_backward_maybe_underflow)(const fastln_ln_backw
 FASTLN_INLINE int FASTLN_NAME(ln_backward_in_floats)(const fastln_ln_backward_sums *sums)
 {
 #if FASTLN_COMPUTE_F32
-    return sums->rstd > 1e-30 && sums->rstd < 1e30;
+    return fastln_scale_fits_float(sums->rstd);
 #else
     (void)sums;
     return 0;
@@ -896,7 +896,7 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const 
                                                     int64_t n_cols)
 {
 #if FASTLN_COMPUTE_F32
-    if (x_scale > 1e-30 && x_scale < 1e30) {
+    if (fastln_scale_fits_float(x_scale)) {
         const int64_t n_whole = n_cols - n_cols % FASTLN_SLOTS;
         FASTLN_P padded[3 * FASTLN_SLOTS]; /* the last block's dy, x and gamma */
         const FASTLN_P *last_block =
@@ -920,7 +920,7 @@ FASTLN_OUTLINED double FASTLN_NAME(rms_backward_mean)(const FASTLN_T *dy, const 
 FASTLN_INLINE int FASTLN_NAME(rms_backward_in_floats)(const fastln_rms_backward_row *row)
 {
 #if FASTLN_COMPUTE_F32
-    return row->x_scale > 1e-30 && row->x_scale < 1e30 && row->rstd == row->x_scale;
+    return fastln_scale_fits_float(row->x_scale) && row->rstd == row->x_scale;
 #else
     (void)row;
     return 0;
@@ -2168,11 +2168,10 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_double)(const FASTLN_T *dy, c
     FASTLN_T part[FASTLN_STEP]; /* the last values, streamed too (gn_write_float) */
     for (int64_t l = i; l < n; l++) {
         const double x_hat = ((FASTLN_NAME(to_double)(x[l]) - mean) - correction) * rstd;
-        const FASTLN_T value = FASTLN_NAME(from_double)(
+        part[l - i] = FASTLN_NAME(from_double)(
             rstd * ((FASTLN_NAME(to_double)(dy[l]) * gamma - mean_dxhat) - x_hat * mean_dxhat_xhat));
-        *(streaming ? &part[l - i] : &dx[l]) = value;
     }
-    if (streaming) FASTLN_NAME(store_elements_to)(dx + i, part, n - i, 1);
+    FASTLN_NAME(store_elements_to)(dx + i, part, n - i, streaming);
 }
 
 #if FASTLN_COMPUTE_F32
@@ -2197,11 +2196,10 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_write_float)(const FASTLN_T *dy, co
     for (int64_t l = i; l < n; l++) {
         const float x_hat = ((FASTLN_NAME(to_compute)(x[l]) - mean_head) - mean_tail) * rstd;
         const float dx_hat = FASTLN_NAME(to_compute)(dy[l]) * gamma;
-        const FASTLN_T value =
+        part[l - i] =
             FASTLN_NAME(from_compute)(((dx_hat - mean_dxhat) - x_hat * mean_dxhat_xhat) * rstd);
-        *(streaming ? &part[l - i] : &dx[l]) = value;
     }
-    if (streaming) FASTLN_NAME(store_elements_to)(dx + i, part, n - i, 1);
+    FASTLN_NAME(store_elements_to)(dx + i, part, n - i, streaming);
 }
 #endif
 
@@ -2214,7 +2212,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_write)(const FASTLN_T *dy, const FAST
 {
     streaming = streaming && fastln_is_aligned16(dx);
 #if FASTLN_COMPUTE_F32
-    if (fields[2] > 1e-30 && fields[2] < 1e30) {
+    if (fastln_scale_fits_float(fields[2])) {
         FASTLN_NAME(gn_backward_write_float)(dy, x, dx, n, fields, (float)gamma, streaming);
         return;
     }
@@ -2232,6 +2230,7 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_apply_rows_float)(
     int64_t stride, const float *FASTLN_RESTRICT constants, int64_t constants_stride,
     int streaming)
 {
+    /* streaming: rows of whole vectors, 16-byte aligned; the task fences. */
     const float *head = constants, *tail = constants + constants_stride;
     const float *rstd = constants + 2 * constants_stride, *gamma = constants + 3 * constants_stride;
     const float *mean_dxhat = constants + 4 * constants_stride;
@@ -2259,7 +2258,6 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_backward_apply_rows_float)(
                                                    - x_hat * mean_dxhat_xhat[c]) * rstd[c]);
         }
     }
-    if (streaming) fastln_streaming_fence();
 }
 #endif
 

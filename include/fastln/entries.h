@@ -969,8 +969,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_finish_group)(const fastln_gn_call *c
 FASTLN_INLINE int FASTLN_NAME(gn_backward_in_floats)(const fastln_gn_call *call, int64_t ng)
 {
 #if FASTLN_COMPUTE_F32
-    const double rstd = call->group_scratch[FASTLN_GN_GROUP_FIELDS * ng + 2];
-    return rstd > 1e-30 && rstd < 1e30;
+    return fastln_scale_fits_float(call->group_scratch[FASTLN_GN_GROUP_FIELDS * ng + 2]);
 #else
     (void)call;
     (void)ng;

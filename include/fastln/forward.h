@@ -144,7 +144,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_write)(
 {
     const int stream_y = streaming && fastln_is_aligned16(y);
 #if FASTLN_COMPUTE_F32
-    if (rstd > 1e-30 && rstd < 1e30) {
+    if (fastln_scale_fits_float(rstd)) {
         const double mean = shift + mean_shifted;
         const float mean_head = (float)mean;
         const float mean_tail = (float)((shift - (double)mean_head) + mean_shifted);
@@ -281,7 +281,7 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_write)(const FASTLN_T *x, const FASTLN_P *g
 {
     streaming = streaming && fastln_is_aligned16(y);
 #if FASTLN_COMPUTE_F32
-    if (x_scale > 1e-30 && x_scale < 1e30) {
+    if (fastln_scale_fits_float(x_scale)) {
         const float rstd = (float)x_scale;
         const int prefetch = FASTLN_NAME(prefetch_next_row)(n, streaming);
         int64_t i = 0;
@@ -753,18 +753,11 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_double)(const FASTLN_T *x, FASTLN_T *y
         high = ((high - k.shift) - k.mean_shifted) * k.scale + k.offset;
         FASTLN_NAME(store_wide_to)(y + i, low, high, streaming);
     }
-    if (streaming) { /* the last values streamed too (gn_write_float) */
-        FASTLN_T part[FASTLN_STEP]; /* fewer than a vector: a line of room */
-        for (int64_t l = 0; i + l < n; l++)
-            part[l] = FASTLN_NAME(from_double)(
-                ((FASTLN_NAME(to_double)(x[i + l]) - k.shift) - k.mean_shifted) * k.scale
-                + k.offset);
-        FASTLN_NAME(store_elements_to)(y + i, part, n - i, 1);
-        return;
-    }
-    for (; i < n; i++)
-        y[i] = FASTLN_NAME(from_double)(
-            ((FASTLN_NAME(to_double)(x[i]) - k.shift) - k.mean_shifted) * k.scale + k.offset);
+    FASTLN_T part[FASTLN_STEP]; /* the last values, streamed too (gn_write_float) */
+    for (int64_t l = i; l < n; l++)
+        part[l - i] = FASTLN_NAME(from_double)(
+            ((FASTLN_NAME(to_double)(x[l]) - k.shift) - k.mean_shifted) * k.scale + k.offset);
+    FASTLN_NAME(store_elements_to)(y + i, part, n - i, streaming);
 }
 
 #if FASTLN_COMPUTE_F32
@@ -786,24 +779,10 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
         const FASTLN_VF out = ((FASTLN_NAME(load_c)(x + i) - mean_head) - mean_tail) * scale + offset;
         FASTLN_NAME(store_c_to)(y + i, out, streaming);
     }
-    if (streaming) {
-        /* The last values streamed too: a line written by non-temporal stores and then by
-         * plain ones (this channel's tail, or the next channel's head) made whole calls several
-         * times slower (docs/performance.md, "GroupNorm's outputs streamed from smaller
-         * calls"). Streamed calls have channels of whole 16-byte pieces (_kernels.pyx), and
-         * their tasks fence once at the end: a fence per channel flushed each channel's last
-         * line half written. */
-        FASTLN_T part[FASTLN_STEP]; /* fewer than a vector: a line of room */
-        for (int64_t l = 0; i + l < n; l++)
-            part[l] = FASTLN_NAME(from_compute)(
-                ((FASTLN_NAME(to_compute)(x[i + l]) - mean_head) - mean_tail) * scale + offset);
-        FASTLN_NAME(store_elements_to)(y + i, part, n - i, 1);
-        return;
-    }
 #if FASTLN_MASKED
     /* The last values in one masked vector (as ln_write_float); a single one alone (a one-lane
      * masked vector measured slower in BatchNorm's backward segments). */
-    if (i + 1 < n) {
+    if (!streaming && i + 1 < n) {
         const int64_t left = n - i;
         const FASTLN_VF out =
             ((FASTLN_NAME(load_c_first)(x + i, left) - mean_head) - mean_tail) * scale + offset;
@@ -811,9 +790,17 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
         return;
     }
 #endif
-    for (; i < n; i++)
-        y[i] = FASTLN_NAME(from_compute)(
-            ((FASTLN_NAME(to_compute)(x[i]) - mean_head) - mean_tail) * scale + offset);
+    /* Streamed, the last values go out with non-temporal stores too: a line written by
+     * non-temporal stores and then by plain ones (this channel's tail, or the next channel's
+     * head) made whole calls several times slower (docs/performance.md, "GroupNorm's outputs
+     * streamed from smaller calls"). Streamed calls have channels of whole 16-byte pieces
+     * (_kernels.pyx), and their tasks fence once at the end: a fence per channel flushed each
+     * channel's last line half written. */
+    FASTLN_T part[FASTLN_STEP]; /* fewer than a vector: a line of room */
+    for (int64_t l = i; l < n; l++)
+        part[l - i] = FASTLN_NAME(from_compute)(
+            ((FASTLN_NAME(to_compute)(x[l]) - mean_head) - mean_tail) * scale + offset);
+    FASTLN_NAME(store_elements_to)(y + i, part, n - i, streaming);
 }
 #endif
 
@@ -822,7 +809,7 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_write_float)(const FASTLN_T *x, FASTLN_T *y,
 FASTLN_INLINE int FASTLN_NAME(gn_float_scale)(double scale)
 {
     scale = fabs(scale);
-    return (scale > 1e-30 && scale < 1e30) || scale == 0.0;
+    return fastln_scale_fits_float(scale) || scale == 0.0;
 }
 
 /* A group's mean (shift + mean_shifted) as the float write passes take it: a float head and the

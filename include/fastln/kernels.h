@@ -188,6 +188,13 @@ static inline double fastln_products_floor(double n)
     return n * n * FLT_MIN;
 }
 
+/* Whether a scale (an rstd) is one the float write passes take: float holds it, and its
+ * products with ordinary values, well. Outside this range the passes compute in double. */
+static inline int fastln_scale_fits_float(double scale)
+{
+    return scale > 1e-30 && scale < 1e30;
+}
+
 #include "fastln/batch_norm.h"
 
 /* One row's LayerNorm statistics (ln_statistics): the sums are taken on x - shift (shift = x[0],

@@ -704,13 +704,14 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     call.n_groups = n_groups
     call.n_spatial = n_spatial
     call.channels_last = channels_last
-    cdef Py_ssize_t min_bytes_for_streaming = MIN_BYTES_FOR_STREAMING
+    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(x)
     cdef Py_ssize_t channel_bytes = n_spatial * cnp.PyArray_ITEMSIZE(x)
     if backward:
-        min_bytes_for_streaming = GN_BACKWARD_MIN_BYTES_FOR_STREAMING
-    elif not channels_last:
-        min_bytes_for_streaming = GN_MIN_BYTES_FOR_STREAMING
-    call.streaming = cnp.PyArray_NBYTES(x) >= min_bytes_for_streaming
+        call.streaming = nbytes >= GN_BACKWARD_MIN_BYTES_FOR_STREAMING
+    elif channels_last:
+        call.streaming = nbytes >= MIN_BYTES_FOR_STREAMING
+    else:
+        call.streaming = nbytes >= GN_MIN_BYTES_FOR_STREAMING
     if not channels_last:
         # Channels first, only channels of whole 16-byte pieces, a line or more, stream: then
         # every store of the call is a non-temporal one (a line that gets both kinds is slow).
