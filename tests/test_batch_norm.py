@@ -926,6 +926,62 @@ def test_backward_sums_of_inputs_beyond_the_cache(dtype):
     assert dgamma_one[0] == dgamma[feature] and dbeta_one[0] == dbeta[feature]
 
 
+@pytest.mark.parametrize("dtype, shape", [(np.float32, (8, 300, 28, 28)),
+                                          (np.float16, (16, 300, 28, 28)),
+                                          (np.float32, (3, 29, 130)),
+                                          (np.float32, (5, 13, 1000))],
+                         ids=["float32 from memory", "float16 from memory", "small groups",
+                              "one feature a group"])
+def test_backward_features_taken_in_groups(dtype, shape):
+    """The NCHW backward takes several features of long segments at once, sample by sample
+    (with the next values fetched ahead from 16 MiB of dy, x and dx): a NaN feature and one that
+    float cannot scale stay in their features, each feature's results are bit for bit those of
+    the same feature among other neighbours (other groups) and the same for 1, 2 and 3 threads,
+    and dx, dgamma, dbeta are those of the float64 reference."""
+    rng = np.random.default_rng(41)
+    n_features = shape[1]
+    x = (rng.standard_normal(shape) * 2 + 300).astype(dtype)
+    x[:, 4] = (rng.standard_normal(x[:, 4].shape) * 1e-3 + 1).astype(dtype)  # rstd ~ 1e3
+    if dtype == np.float32:
+        x[:, 4] = (rng.standard_normal(x[:, 4].shape) * 1e-32).astype(dtype)  # rstd ~ 1e32
+    x[1, 7].flat[5] = np.nan
+    dy = rng.standard_normal(shape).astype(dtype)
+    gamma = rng.standard_normal(n_features).astype(np.float32)
+
+    def run(x, dy, gamma, num_threads):
+        _, cache = fastln.batch_norm_forward(x, gamma, training=True, eps=0.0, axis=1,
+                                             num_threads=num_threads)
+        return fastln.batch_norm_backward(dy, cache, gamma, num_threads=num_threads)
+
+    dx, dgamma, dbeta = run(x, dy, gamma, 1)
+    for num_threads in (2, 3):
+        for got, want in zip(run(x, dy, gamma, num_threads), (dx, dgamma, dbeta)):
+            assert_bitwise_equal(got, want)
+    assert np.isnan(dx[:, 7]).all() and np.isnan(dgamma[7])
+    assert not np.isnan(np.delete(dx, 7, axis=1)).any()
+    assert not np.isnan(np.delete(dgamma, 7)).any()
+
+    picked = [1, 4, 5, 6, 9, n_features - 1]  # other neighbours, other groups
+    dx_picked, dgamma_picked, dbeta_picked = run(
+        np.ascontiguousarray(x[:, picked]), np.ascontiguousarray(dy[:, picked]), gamma[picked],
+        1)
+    assert_bitwise_equal(dx_picked, dx[:, picked])
+    assert_bitwise_equal(dgamma_picked, dgamma[picked])
+    assert_bitwise_equal(dbeta_picked, dbeta[picked])
+
+    finite = [c for c in range(n_features) if c != 7]
+    x64 = x[:, finite].astype(np.float64)
+    _, exact_cache = reference.batch_norm_forward(x64, gamma[finite].astype(np.float64),
+                                                  training=True, eps=0.0, axis=1)
+    exact_dx, exact_dgamma, exact_dbeta = reference.batch_norm_backward(
+        dy[:, finite].astype(np.float64), exact_cache, gamma[finite].astype(np.float64))
+    tolerance = 2e-3 if dtype == np.float16 else 1e-5
+    for got, want in ((dx[:, finite], exact_dx), (dgamma[finite], exact_dgamma),
+                      (dbeta[finite], exact_dbeta)):
+        got = got.astype(np.float64)
+        assert np.allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
+
+
 @pytest.mark.parametrize("axis, segment", [(-1, None), (0, 200), (0, 20)],
                          ids=["rows", "segments", "short segments"])
 def test_backward_products_below_float_range(axis, segment):

@@ -1692,25 +1692,48 @@ FASTLN_INLINE int FASTLN_NAME(bn_backward_short_segments)(
 }
 #endif
 
+/* n values of dy and x into L2, for reading (prefetcht1: a whole sample's group of segments
+ * in L1 would push out the values being worked on). */
+FASTLN_INLINE void FASTLN_NAME(prefetch_pair)(const FASTLN_T *dy, const FASTLN_T *x, int64_t n)
+{
+    for (int64_t j = 0; j < n; j += FASTLN_LINE) {
+        __builtin_prefetch(dy + j, 0, 2);
+        __builtin_prefetch(x + j, 0, 2);
+    }
+}
+
 #if FASTLN_COMPUTE_F32
-/* Segments layout, one feature, in float runs segment by segment (bn_backward_sums_segments). */
+/* Segments layout, n_group features side by side (feature f's segment k at k * stride + f *
+ * n_inner), in float runs segment by segment: each feature adds its segments' sums in segment
+ * order, so the bits do not depend on n_group. Sample by sample, the reads go over the group's
+ * n_group * n_inner contiguous values at a time (bn_backward_features_task); with prefetch
+ * set, the next sample's are fetched while this one's are summed (the jump of a whole sample
+ * to them is one the hardware prefetchers do not follow). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_backward_float_segments)(
     const FASTLN_T *FASTLN_RESTRICT dy, const FASTLN_T *FASTLN_RESTRICT x, int64_t n_segments,
-    int64_t stride, int64_t n_inner, double mean, double *FASTLN_RESTRICT sum_dy_out,
-    double *FASTLN_RESTRICT sum_dy_d_out, double *FASTLN_RESTRICT sum_d_out)
+    int64_t stride, int64_t n_inner, int64_t n_group, const double *FASTLN_RESTRICT mean,
+    double *FASTLN_RESTRICT sum_dy, double *FASTLN_RESTRICT sum_dy_d,
+    double *FASTLN_RESTRICT sum_d, const int prefetch)
 {
-    const float shift = (float)mean;
-    double total[3] = {0.0, 0.0, 0.0};
+    double total[FASTLN_BN_FEATURE_GROUP_MAX][3] = {{0.0}};
     for (int64_t k = 0; k < n_segments; k++) {
-        double sums[3];
-        FASTLN_NAME(run_backward_sums)(dy + k * stride, x + k * stride, n_inner, (double)shift,
-                                       sums);
-        for (int i = 0; i < 3; i++) total[i] += sums[i];
+        if (prefetch && k + 1 < n_segments)
+            FASTLN_NAME(prefetch_pair)(dy + (k + 1) * stride, x + (k + 1) * stride,
+                                       n_group * n_inner);
+        for (int64_t f = 0; f < n_group; f++) {
+            double sums[3];
+            const int64_t at = k * stride + f * n_inner;
+            FASTLN_NAME(run_backward_sums)(dy + at, x + at, n_inner, (double)(float)mean[f],
+                                           sums);
+            for (int i = 0; i < 3; i++) total[f][i] += sums[i];
+        }
     }
-    fastln_bn_move_sums(shift, mean, (double)(n_segments * n_inner), total);
-    *sum_dy_out = total[0];
-    *sum_dy_d_out = total[1];
-    *sum_d_out = total[2];
+    for (int64_t f = 0; f < n_group; f++) {
+        fastln_bn_move_sums((float)mean[f], mean[f], (double)(n_segments * n_inner), total[f]);
+        sum_dy[f] = total[f][0];
+        sum_dy_d[f] = total[f][1];
+        sum_d[f] = total[f][2];
+    }
 }
 #endif
 
@@ -1729,8 +1752,8 @@ FASTLN_OUTLINED void FASTLN_NAME(bn_backward_sums_segments)(
      * them. Shorter segments stay in the slots below: a run's padding and reductions cost more
      * than their values. */
     if (n_inner >= FASTLN_BN_FLOAT_SEGMENT) {
-        FASTLN_NAME(bn_backward_float_segments)(dy, x, n_segments, stride, n_inner, mean,
-                                                sum_dy_out, sum_dy_d_out, sum_d_out);
+        FASTLN_NAME(bn_backward_float_segments)(dy, x, n_segments, stride, n_inner, 1, &mean,
+                                                sum_dy_out, sum_dy_d_out, sum_d_out, 0);
         return;
     }
     if (FASTLN_NAME(bn_backward_short_segments)(dy, x, n_segments, stride, n_inner, mean,

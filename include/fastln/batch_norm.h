@@ -47,6 +47,18 @@ static inline int fastln_rows_store(int streaming, int64_t input_bytes)
  * when x is large (call->streaming) and its segments are shorter than this: longer ones the
  * hardware prefetchers follow by themselves. */
 #define FASTLN_BN_PREFETCH_SEGMENT_BYTES 512
+/* It takes features whose segments sum in float (FASTLN_BN_FLOAT_SEGMENT values and more) in
+ * groups, sample by sample, so that each read goes over at least this many contiguous bytes:
+ * one feature's segments a sample apart restart the hardware prefetchers every few KB. At most
+ * FASTLN_BN_FEATURE_GROUP_MAX features, whose dy and x (read again by the dx pass) fit in
+ * FASTLN_BN_FEATURE_GROUP_CACHE bytes. */
+#define FASTLN_BN_FEATURE_GROUP_BYTES 8192
+#define FASTLN_BN_FEATURE_GROUP_MAX 8
+#define FASTLN_BN_FEATURE_GROUP_CACHE (256 * 1024)
+/* From this many bytes of dy, x and dx, it fetches each sample's values ahead into L2, when a
+ * group's segments in one sample are shorter than FASTLN_BN_FEATURES_AHEAD_SPAN bytes. */
+#define FASTLN_BN_FEATURES_AHEAD_BYTES (16 * 1024 * 1024)
+#define FASTLN_BN_FEATURES_AHEAD_SPAN (16 * 1024)
 
 /* The rows layout's statistics take rows in groups of this many (fastln/statistics.h,
  * bn_stats_rows): a group of 512-feature float32 rows (one feature chunk) fits L1. */

@@ -496,14 +496,47 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_feature)(const fastln_bn_cal
     }
 }
 
+/* How many features bn_backward_features_task takes at once (FASTLN_BN_FEATURE_GROUP_BYTES):
+ * one, unless their segments sum in float (bn_backward_float_segments takes a group). */
+FASTLN_INLINE int64_t FASTLN_NAME(bn_feature_group)(const fastln_bn_call *call)
+{
+#if FASTLN_COMPUTE_F32
+    const int64_t segment = call->n_inner * (int64_t)sizeof(FASTLN_T);
+    if (call->n_inner >= FASTLN_BN_FLOAT_SEGMENT && segment < FASTLN_BN_FEATURE_GROUP_BYTES) {
+        const int64_t group = (FASTLN_BN_FEATURE_GROUP_BYTES + segment - 1) / segment;
+        const int64_t fits = FASTLN_BN_FEATURE_GROUP_CACHE / (2 * segment * call->n_outer);
+        return fastln_max(fastln_min(fastln_min(group, fits), FASTLN_BN_FEATURE_GROUP_MAX), 1);
+    }
+#endif
+    (void)call;
+    return 1;
+}
+
+/* A group's dy, x and dx values [at, at + n) into L2 (dx for writing): the next group's, while
+ * this group's dx is written. */
+FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_values)(const fastln_bn_call *call,
+                                                            int64_t at, int64_t n)
+{
+    FASTLN_NAME(prefetch_pair)((const FASTLN_T *)call->dy + at, (const FASTLN_T *)call->x + at,
+                               n);
+    for (int64_t j = 0; j < n; j += FASTLN_LINE)
+        __builtin_prefetch((FASTLN_T *)call->dx + at + j, 1, 2);
+}
+
 /* The segments layout when each feature's values are one block (fastln_bn_layout, n_blocks =
  * 1: fewer than 2 * FASTLN_BN_SEGMENT_BLOCK_ELEMENTS values, or one sample): a task takes its
- * features through the backward's three phases - sums, constants, dx - one feature at a time,
- * so that the dx pass finds dy and x in cache from the sums (the phases one after the other
- * read them from memory twice). The bits are the phases': the same sums (added to a zero as
- * fastln_bn_combine_partials adds the one block), the constants of the same per-feature loops,
- * the same dx. A training feature that the rare path may need (fastln_bn_backward_any_rare)
- * waits: bn_backward_waiting_task writes it after bn_rescale_backward. */
+ * features through the backward's three phases - sums, constants, dx - a group of features
+ * (bn_feature_group) at a time, so that the dx pass finds dy and x in cache from the sums (the
+ * phases one after the other read them from memory twice). The bits are the phases': the same
+ * sums (added to a zero as fastln_bn_combine_partials adds the one block), the constants of the
+ * same per-feature loops, the same dx. A training feature that the rare path may need
+ * (fastln_bn_backward_any_rare) waits: bn_backward_waiting_task writes it after
+ * bn_rescale_backward.
+ * Calls of FASTLN_BN_FEATURES_AHEAD_BYTES and more read from memory, and the groups' segments a
+ * sample apart are jumps the hardware prefetchers do not follow: unless a group's segments are
+ * long enough for them (FASTLN_BN_FEATURES_AHEAD_SPAN), each sample's values are fetched into
+ * L2 ahead (the float sums fetch the next sample's, the dx pass the next group's). Short
+ * segments, one feature at a time, fetch the whole next feature instead. */
 static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t begin,
                                                    int64_t end)
 {
@@ -511,35 +544,67 @@ static void FASTLN_NAME(bn_backward_features_task)(const void *opaque, int64_t b
     const int64_t n = call->n_features, n_inner = call->n_inner;
     const double count = (double)(call->n_outer * n_inner);
     float *head = call->float_constants;
+    const int64_t group = FASTLN_NAME(bn_feature_group)(call);
     const int prefetch = call->streaming
                          && n_inner * (int64_t)sizeof(FASTLN_T) < FASTLN_BN_PREFETCH_SEGMENT_BYTES;
-    for (int64_t c = begin; c < end; c++) {
-        if (prefetch && c + 1 < end) FASTLN_NAME(bn_backward_prefetch_feature)(call, c + 1);
-        double sum_dy, sum_dy_d, sum_d;
-        FASTLN_NAME(bn_backward_sums_segments)(
-            (const FASTLN_T *)call->dy + c * n_inner, (const FASTLN_T *)call->x + c * n_inner,
-            call->n_outer, n * n_inner, n_inner, call->mean[c], &sum_dy, &sum_dy_d, &sum_d);
-        call->sum_dy[c] = 0.0 + sum_dy;
-        call->sum_dy_d[c] = 0.0 + sum_dy_d;
-        call->sum_d[c] = 0.0 + sum_d;
-        fastln_bn_backward_constants_of(
-            1, count, call->training, call->rstd + c, call->mean + c,
-            call->gamma ? call->gamma + c : NULL, call->sum_dy + c, call->sum_dy_d + c,
-            call->sum_d + c, call->dgamma + c, call->dx_mean + c, call->correction + c,
-            call->k + c, call->mean_dy + c, call->coef + c);
-        if (call->training
-            && fastln_bn_backward_any_rare(1, call->rstd + c, call->sum_dy + c,
-                                           call->sum_dy_d + c, call->sum_d + c,
-                                           call->dgamma + c, call->coef + c)) {
-            call->waiting[c] = 1;
-            continue;
+    const int64_t span = group * n_inner * (int64_t)sizeof(FASTLN_T); /* read at a time */
+    const int ahead = 3 * call->n_outer * n * n_inner * (int64_t)sizeof(FASTLN_T)
+                          >= FASTLN_BN_FEATURES_AHEAD_BYTES
+                      && span < FASTLN_BN_FEATURES_AHEAD_SPAN;
+    for (int64_t first = begin; first < end; first += group) {
+        const int64_t n_group = fastln_min(group, end - first);
+        const int64_t next = first + n_group, n_next = fastln_min(group, end - next);
+        const FASTLN_T *dy = (const FASTLN_T *)call->dy + first * n_inner;
+        const FASTLN_T *x = (const FASTLN_T *)call->x + first * n_inner;
+        double sum_dy[FASTLN_BN_FEATURE_GROUP_MAX], sum_dy_d[FASTLN_BN_FEATURE_GROUP_MAX];
+        double sum_d[FASTLN_BN_FEATURE_GROUP_MAX];
+#if FASTLN_COMPUTE_F32
+        if (n_inner >= FASTLN_BN_FLOAT_SEGMENT) {
+            FASTLN_NAME(bn_backward_float_segments)(dy, x, call->n_outer, n * n_inner, n_inner,
+                                                    n_group, call->mean + first, sum_dy,
+                                                    sum_dy_d, sum_d, ahead);
+        } else
+#endif
+        {
+            if (prefetch && next < end) FASTLN_NAME(bn_backward_prefetch_feature)(call, next);
+            FASTLN_NAME(bn_backward_sums_segments)(dy, x, call->n_outer, n * n_inner, n_inner,
+                                                   call->mean[first], sum_dy, sum_dy_d, sum_d);
         }
-        if (head)
-            fastln_bn_backward_float_constants_of(
-                1, call->dx_mean + c, call->correction + c, call->k + c, call->mean_dy + c,
-                call->coef + c, head + c, head + n + c, head + 2 * n + c, head + 3 * n + c,
-                head + 4 * n + c);
-        FASTLN_NAME(bn_backward_finish_feature)(call, c);
+        int64_t ready[FASTLN_BN_FEATURE_GROUP_MAX], n_ready = 0; /* those not waiting */
+        for (int64_t c = first; c < next; c++) {
+            call->sum_dy[c] = 0.0 + sum_dy[c - first];
+            call->sum_dy_d[c] = 0.0 + sum_dy_d[c - first];
+            call->sum_d[c] = 0.0 + sum_d[c - first];
+            fastln_bn_backward_constants_of(
+                1, count, call->training, call->rstd + c, call->mean + c,
+                call->gamma ? call->gamma + c : NULL, call->sum_dy + c, call->sum_dy_d + c,
+                call->sum_d + c, call->dgamma + c, call->dx_mean + c, call->correction + c,
+                call->k + c, call->mean_dy + c, call->coef + c);
+            if (call->training
+                && fastln_bn_backward_any_rare(1, call->rstd + c, call->sum_dy + c,
+                                               call->sum_dy_d + c, call->sum_d + c,
+                                               call->dgamma + c, call->coef + c)) {
+                call->waiting[c] = 1;
+                continue;
+            }
+            if (head)
+                fastln_bn_backward_float_constants_of(
+                    1, call->dx_mean + c, call->correction + c, call->k + c, call->mean_dy + c,
+                    call->coef + c, head + c, head + n + c, head + 2 * n + c, head + 3 * n + c,
+                    head + 4 * n + c);
+            FASTLN_NAME(bn_store_parameter_gradients)(call, c);
+            ready[n_ready++] = c;
+        }
+        /* dx feature by feature (from L2: the order of reading matters less here; sample by
+         * sample, short segments measured slower), the next group fetched along the first */
+        const int fetch_next = ahead && n_next > 0 && !prefetch;
+        for (int64_t r = 0; r < n_ready; r++)
+            for (int64_t k = 0; k < call->n_outer; k++) {
+                if (fetch_next && r == 0)
+                    FASTLN_NAME(bn_backward_prefetch_values)(call, (k * n + next) * n_inner,
+                                                             n_next * n_inner);
+                FASTLN_NAME(bn_backward_apply_segment_unit)(call, k * n + ready[r]);
+            }
     }
 }
 
