@@ -479,9 +479,10 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_finish_feature)(const fastln_bn_call 
 }
 
 /* Feature c's dy, x and dx (n_outer segments of n_inner values, a whole sample apart) into
- * cache, while the feature before it is summed and written: segments this short and this far
+ * L2, while the feature before it is summed and written: segments this short and this far
  * apart defeat the hardware prefetchers (docs/performance.md, "BatchNorm's short segments
- * prefetched"). Only addresses inside the arrays. */
+ * prefetched"). Not into L1, where a feature's three arrays fill most of it: the next feature
+ * pushed out the one being written. Only addresses inside the arrays. */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_feature)(const fastln_bn_call *call,
                                                              int64_t c)
 {
@@ -489,9 +490,9 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_prefetch_feature)(const fastln_bn_cal
     for (int64_t o = 0; o < call->n_outer; o++) {
         const int64_t at = o * sample + c * n_inner;
         for (int64_t j = 0; j < n_inner; j += FASTLN_LINE) {
-            __builtin_prefetch((const FASTLN_T *)call->dy + at + j, 0, 3);
-            __builtin_prefetch((const FASTLN_T *)call->x + at + j, 0, 3);
-            __builtin_prefetch((FASTLN_T *)call->dx + at + j, 1, 3);
+            __builtin_prefetch((const FASTLN_T *)call->dy + at + j, 0, 2);
+            __builtin_prefetch((const FASTLN_T *)call->x + at + j, 0, 2);
+            __builtin_prefetch((FASTLN_T *)call->dx + at + j, 1, 2);
         }
     }
 }
