@@ -311,7 +311,7 @@ def test_channels_last_images_whose_first_rows_are_not_typical(image, offset, sh
 
 @pytest.mark.parametrize("channel_axis, channels", [(1, 64), (-1, 64), (-1, 56)])
 def test_streamed_output_holds_the_same_bits_as_ordinary_stores(channel_axis, channels):
-    """Large inputs (channels first from 12 MiB, channels last from 32 MiB) write y with
+    """Large inputs (from 12 MiB, in both layouts) write y with
     non-temporal stores where it is 16-byte aligned; the values are those of the ordinary
     stores (a y one element off that alignment). 56
     channels last end every row with fewer elements than a vector (streamed too)."""

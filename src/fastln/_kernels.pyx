@@ -241,8 +241,8 @@ def set_default_num_threads(int num_threads):
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). GroupNorm's forward streams y from inputs of MIN_BYTES_FOR_STREAMING too
-# channels last, of GN_MIN_BYTES_FOR_STREAMING channels first; its backward streams dx from
+# half types). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING in both
+# layouts; its backward streams dx from
 # inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING in both layouts (channels last, the float32-compute
 # types; docs/performance.md, "GroupNorm's outputs streamed from smaller calls"). BatchNorm's rows
 # layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
@@ -708,8 +708,6 @@ cdef int _gn_call(fastln_gn_call *call, cnp.ndarray x, Py_ssize_t n_samples,
     cdef Py_ssize_t channel_bytes = n_spatial * cnp.PyArray_ITEMSIZE(x)
     if backward:
         call.streaming = nbytes >= GN_BACKWARD_MIN_BYTES_FOR_STREAMING
-    elif channels_last:
-        call.streaming = nbytes >= MIN_BYTES_FOR_STREAMING
     else:
         call.streaming = nbytes >= GN_MIN_BYTES_FOR_STREAMING
     if not channels_last:
