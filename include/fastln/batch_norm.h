@@ -44,8 +44,8 @@ static inline int fastln_rows_store(int streaming, int64_t input_bytes)
     return input_bytes < FASTLN_BN_GROUP_MAX_BYTES ? FASTLN_ROWS_GROUPED : FASTLN_ROWS_ALONE;
 }
 /* The backward taking whole features (bn_backward_features_task) prefetches the next feature
- * when x is large (call->streaming) and its segments are shorter than this: longer ones the
- * hardware prefetchers follow by themselves. */
+ * when x is large (call->streaming) and its segments are shorter than this; longer ones are
+ * read by groups of features, fetched ahead (below). */
 #define FASTLN_BN_PREFETCH_SEGMENT_BYTES 512
 /* It takes features whose segments sum in float (FASTLN_BN_FLOAT_SEGMENT values and more) in
  * groups, sample by sample, so that each read goes over at least this many contiguous bytes:
