@@ -1118,11 +1118,21 @@ static void FASTLN_NAME(gn_backward_groups_task)(const void *opaque, int64_t beg
 {
     const fastln_gn_call *call = opaque;
     const int64_t C = call->n_channels, G = call->n_groups, P = call->n_pieces;
-    const int64_t per_group = C / G;
+    const int64_t per_group = C / G, n_spatial = call->n_spatial;
+    /* dx fetched for writing while the sums read (not streamed, from FASTLN_GN_FETCH_DX_BYTES
+     * of dy, x and dx): the write pass then finds its lines in L2 instead of waiting for each
+     * one from memory before it can store. */
+    const int fetch_dx = !call->streaming
+                         && 3 * call->n_samples * C * n_spatial * (int64_t)sizeof(FASTLN_T)
+                                >= FASTLN_GN_FETCH_DX_BYTES;
     for (int64_t ng = begin; ng < end; ng++) {
         const int64_t first = ng / G * C + ng % G * per_group;
-        for (int64_t nc = first; nc < first + per_group; nc++)
+        for (int64_t nc = first; nc < first + per_group; nc++) {
+            if (fetch_dx)
+                for (int64_t j = 0; j < n_spatial; j += FASTLN_LINE)
+                    __builtin_prefetch((FASTLN_T *)call->dx + nc * n_spatial + j, 1, 2);
             for (int64_t p = 0; p < P; p++) FASTLN_NAME(gn_backward_piece_sums)(call, nc, p, ng);
+        }
         FASTLN_NAME(gn_backward_finish_group)(call, ng);
         if (call->rare[ng]) continue;
         /* Last piece first: what the sums read last is what the cache still holds. */

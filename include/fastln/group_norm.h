@@ -21,6 +21,10 @@
 #include <math.h>
 #include <stdint.h>
 
+/* The channels-first backward by groups fetches dx for writing while it sums (unless dx is
+ * streamed) from this many bytes of dy, x and dx (fastln/entries.h, gn_backward_groups_task). */
+#define FASTLN_GN_FETCH_DX_BYTES (16 * 1024 * 1024)
+
 /* Values per piece: large enough that a task's overhead vanishes, small enough that a single
  * group of an image the size of a diffusion UNet's first stage ([1, 128, 256, 256] in 32
  * groups: 262144 values) still makes work for several threads. */
