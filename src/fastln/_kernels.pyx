@@ -241,16 +241,15 @@ def set_default_num_threads(int num_threads):
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING in both
-# layouts; its backward streams dx from
-# inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING in both layouts (channels last, the float32-compute
-# types; docs/performance.md, "GroupNorm's outputs streamed from smaller calls"). BatchNorm's rows
-# layout streams y (dx) from smaller inputs, of BN_MIN_BYTES_FOR_STREAMING, where that measured
-# faster (docs/performance.md), and from that size its float32-compute backward sums prefetch
-# their rows (in cache, the prefetches cost more than they save). The GroupNorm backward takes
-# a group at a time (its sums, then its dx from cache) when the group's dy and x together are at
-# most GN_MAX_GROUP_BYTES_IN_CACHE; larger groups would be read from memory twice either way,
-# and the piece phases stream better.
+# half types). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING, its
+# backward dx from inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING, in both layouts (the backward
+# channels last: the float32-compute types; docs/performance.md, "GroupNorm's outputs streamed
+# from smaller calls"). BatchNorm's rows layout streams y (dx) from smaller inputs, of
+# BN_MIN_BYTES_FOR_STREAMING, where that measured faster (docs/performance.md), and from that
+# size its float32-compute backward sums prefetch their rows (in cache, the prefetches cost more
+# than they save). The GroupNorm backward takes a group at a time (its sums, then its dx from
+# cache) when the group's dy and x together are at most GN_MAX_GROUP_BYTES_IN_CACHE; larger
+# groups would be read from memory twice either way, and the piece phases stream better.
 # The fused adds add x + residual in float (the same bits as in double): the half formats always,
 # float32 when x, residual, the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3
 # the double loop measured faster (docs/performance.md, "The residual add in float").
