@@ -9,8 +9,8 @@ import pytest
 
 import fastln
 from fastln import reference
-from conftest import (DTYPES, HALF, LAYOUTS, assert_bitwise_equal, at_line_offset,
-                      make_layout, random_input, random_params)
+from conftest import (BFLOAT16, DTYPES, HALF, LAYOUTS, assert_bitwise_equal, at_line_offset,
+                      make_layout, needs_ml_dtypes, random_input, random_params)
 
 BIG_SHAPES = [(2048, 256), (300, 1000), (1000, 67), (97, 1023)]
 ALL_THREADS = (1, 2, 3, 4)
@@ -418,6 +418,19 @@ def test_float32_backward_beyond_the_cache_takes_rows_alone_with_the_same_bits(r
     gamma, beta = random_params(rng, (n_cols,), np.float32)
     dy = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
     assert 3 * x.nbytes >= STREAMING_BYTES > x.nbytes
+    results = _backward_bits_hold(rms, x, gamma, beta, dy,
+                                  np.array([0, 1, 2, 3, 4, n_rows // 2, n_rows - 1]))
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    exact = (reference.rms_norm_backward(dy64, reference.rms_norm_forward(x64, gamma)[1], gamma)
+             if rms else reference.layer_norm_backward(
+                 dy64, reference.layer_norm_forward(x64, gamma, beta)[1], gamma))
+    for got, want in zip(results, exact):
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def _backward_bits_hold(rms, x, gamma, beta, dy, rows):
+    """The row backward of x and dy with 1 and 2 threads gives the same bits, and the given rows
+    in a small batch of their own the same dx bits; returns the 1-thread results."""
     forward = fastln.rms_norm_forward if rms else fastln.layer_norm_forward
     backward = fastln.rms_norm_backward if rms else fastln.layer_norm_backward
     params = (gamma,) if rms else (gamma, beta)
@@ -425,16 +438,39 @@ def test_float32_backward_beyond_the_cache_takes_rows_alone_with_the_same_bits(r
     results = [backward(dy, cache, gamma, num_threads=t) for t in (1, 2)]
     for one, two in zip(*results):
         assert_bitwise_equal(one, two)
-    rows = np.array([0, 1, 2, 3, 4, n_rows // 2, n_rows - 1])
     _, cache_few = forward(x[rows], *params)
     dx_few = backward(dy[rows], cache_few, gamma)[0]
     assert_bitwise_equal(dx_few, results[0][0][rows], err_msg="dx")
-    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-    exact = (reference.rms_norm_backward(dy64, reference.rms_norm_forward(x64, gamma)[1], gamma)
-             if rms else reference.layer_norm_backward(
-                 dy64, reference.layer_norm_forward(x64, gamma, beta)[1], gamma))
-    for got, want in zip(results[0], exact):
-        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    return results[0]
+
+
+FETCHING_BYTES = 12 * 1024 * 1024  # BACKWARD_MIN_BYTES_FOR_FETCHING in src/fastln/_kernels.pyx
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype, n_cols", [
+    pytest.param(np.float32, 1000, id="float32"), pytest.param(np.float64, 1000, id="float64"),
+    pytest.param(np.float16, 1000, id="float16"),
+    pytest.param(BFLOAT16, 1000, id="bfloat16", marks=needs_ml_dtypes),
+    pytest.param(np.float32, 1024, id="float32-rows-alone")])
+def test_backward_fetching_the_next_rows_keeps_the_bits(rms, dtype, n_cols):
+    """A backward whose dy, x and dx reach 12 MiB fetches the next rows' lines while it writes
+    each group (float32 rows taken alone: rows of 4 KiB and more, the 1024 columns here); the
+    same rows in a small batch, where nothing is fetched, give the same dx bits, and 1 and 2
+    threads the same dgamma (and dbeta)."""
+    itemsize = np.dtype(dtype).itemsize
+    n_rows = FETCHING_BYTES // (3 * itemsize * n_cols) + 5
+    if n_cols == 1024:  # beyond 32 MiB: rows alone
+        n_rows = STREAMING_BYTES // (3 * itemsize * n_cols) + 5
+    rng = np.random.default_rng(21)
+    x = random_input(rng, (n_rows, n_cols), dtype, offset=3.0)
+    param = np.float64 if dtype == np.float64 else np.float32
+    gamma, beta = random_params(rng, (n_cols,), param)
+    dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    assert 3 * x.nbytes >= FETCHING_BYTES and x.nbytes < STREAMING_BYTES
+    _backward_bits_hold(rms, x, gamma, beta, dy,
+                        np.array([0, 1, 2, 3, 4, 5, n_rows // 2, n_rows - 2, n_rows - 1]))
+
 
 # --------------------------------------------------------------------------------------------
 # The backward's grouped write pass and its row-by-row fallback: the same bits

@@ -15,6 +15,7 @@ case; the child names each case before it runs it, and the test reports the last
 the child dies. Each guarded call is also held bit for bit to the same call on ordinary arrays:
 where an array sits must not change what is computed.
 """
+import functools
 import os
 import signal
 import subprocess
@@ -104,8 +105,10 @@ def _dtypes():
     return [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
 
 
-# Sizes above which the kernels stream their outputs (src/fastln/_kernels.pyx), with room.
+# Sizes from which the kernels stream their outputs or fetch ahead (src/fastln/_kernels.pyx),
+# with room.
 STREAMED_ROWS_BYTES = 33 * 2**20
+FETCHED_ROWS_BYTES = 5 * 2**20  # each of dy, x and dx
 STREAMED_BATCH_NORM_BYTES = 5 * 2**20
 STREAMED_GROUP_NORM_BYTES = 13 * 2**20
 
@@ -122,7 +125,9 @@ def _row_cases(np, dtype, rng):
 
     widths = (1, 2, 3, 5, 7, 15, 16, 17, 31, 33, 63, 64, 65, 100, 129, 777)
     shapes = [(rows, width) for width in widths for rows in (1, 3)] + [(300, 1000)]
+    # a backward that fetches the next rows as it writes (dy, x and dx of 12 MiB and more), and
     # rows that share cache lines, in calls that stream y and dx (32 MiB and more)
+    shapes.append((_count_for(FETCHED_ROWS_BYTES, 1000, dtype), 1000))
     shapes.append((_count_for(STREAMED_ROWS_BYTES, 2049, dtype), 2049))
     param = np.float64 if dtype is np.float64 else np.float32
     for shape in shapes:
@@ -221,31 +226,23 @@ def _group_norm_cases(np, dtype, rng):
         beta = rng.standard_normal(shape[channel_axis]).astype(param)
         threads = 2 if x.size >= 10000 else 1
 
-        def group_norm(put, x=x, dy=dy, gamma=gamma, beta=beta, groups=groups,
-                       channel_axis=channel_axis, threads=threads):
-            y, cache = fastln.group_norm_forward(put(x), groups, put(gamma), put(beta),
-                                                 channel_axis=channel_axis,
-                                                 out=put(np.zeros_like(x)),
-                                                 num_threads=threads)
-            dx, dgamma, dbeta = fastln.group_norm_backward(put(dy), cache, put(gamma),
-                                                           out=put(np.zeros_like(x)),
-                                                           num_threads=threads)
+        def grouped(put, forward, backward, x=x, dy=dy, gamma=gamma, beta=beta,
+                    channel_axis=channel_axis, threads=threads):
+            y, cache = forward(put(x), gamma=put(gamma), beta=put(beta),
+                               channel_axis=channel_axis, out=put(np.zeros_like(x)),
+                               num_threads=threads)
+            dx, dgamma, dbeta = backward(put(dy), cache, put(gamma), out=put(np.zeros_like(x)),
+                                         num_threads=threads)
             return [y, cache.mean, cache.rstd, dx, dgamma, dbeta]
 
-        def instance_norm(put, x=x, dy=dy, gamma=gamma, beta=beta,
-                          channel_axis=channel_axis, threads=threads):
-            y, cache = fastln.instance_norm_forward(put(x), put(gamma), put(beta),
-                                                    channel_axis=channel_axis,
-                                                    out=put(np.zeros_like(x)),
-                                                    num_threads=threads)
-            dx, dgamma, dbeta = fastln.instance_norm_backward(put(dy), cache, put(gamma),
-                                                              out=put(np.zeros_like(x)),
-                                                              num_threads=threads)
-            return [y, cache.mean, cache.rstd, dx, dgamma, dbeta]
-
-        yield f"group_norm {shape} G={groups} channel_axis={channel_axis}", group_norm
+        yield (f"group_norm {shape} G={groups} channel_axis={channel_axis}",
+               functools.partial(grouped, forward=functools.partial(fastln.group_norm_forward,
+                                                                    num_groups=groups),
+                                 backward=fastln.group_norm_backward))
         if channel_axis == 1 or x.size < 10**6:
-            yield f"instance_norm {shape} channel_axis={channel_axis}", instance_norm
+            yield (f"instance_norm {shape} channel_axis={channel_axis}",
+                   functools.partial(grouped, forward=fastln.instance_norm_forward,
+                                     backward=fastln.instance_norm_backward))
 
 
 def _child(family):

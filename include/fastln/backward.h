@@ -388,6 +388,21 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
             dy, x, gamma, i, &row, dgamma_acc + i, dbeta_acc + i));
 }
 
+/* The lines at column i of n_fetch rows from row first (rows stride elements apart) fetched
+ * into L2 as a group's write pass goes: dy and x for the next group's first passes, dx for its
+ * writes. Without them the next rows' first pass starts on lines still in memory, its loads
+ * stalling while nothing else is on its way (docs/performance.md). */
+FASTLN_INLINE void FASTLN_NAME(fetch_rows_at)(const FASTLN_T *dy, const FASTLN_T *x,
+                                              FASTLN_T *dx, int64_t first, int64_t n_fetch,
+                                              int64_t stride, int64_t i)
+{
+    for (int64_t r = first; r < first + n_fetch; r++) {
+        __builtin_prefetch(dy + r * stride + i, 0, 2);
+        __builtin_prefetch(x + r * stride + i, 0, 2);
+        __builtin_prefetch(dx + r * stride + i, 1, 2);
+    }
+}
+
 #if !FASTLN_COMPUTE_F32
 /* The double write pass of n_rows consecutive rows together over width columns (rows stride
  * elements apart): each accumulator is loaded and stored once for the group, and the rows add
@@ -396,11 +411,12 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
 FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
-    FASTLN_P *dbeta_acc)
+    FASTLN_P *dbeta_acc, int64_t n_fetch)
 {
     enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
     for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
+        if (n_fetch) FASTLN_NAME(fetch_rows_at)(dy, x, dx, n_rows, n_fetch, stride, i);
         FASTLN_VD dgamma[VECTORS][2], dbeta[VECTORS][2], dx_v[2];
         FASTLN_UNROLL
         for (int v = 0; v < VECTORS; v++) {
@@ -556,11 +572,12 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_float)(
 FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_ln_backward_floats *rows, float *dgamma_acc,
-    float *dbeta_acc)
+    float *dbeta_acc, int64_t n_fetch)
 {
     enum { VECTORS = FASTLN_STEP / FASTLN_VF_LANES };
     int64_t i = 0;
     for (; i + FASTLN_STEP <= width; i += FASTLN_STEP) {
+        if (n_fetch) FASTLN_NAME(fetch_rows_at)(dy, x, dx, n_rows, n_fetch, stride, i);
         FASTLN_VF dgamma[VECTORS], dbeta[VECTORS], gamma_v[VECTORS];
         FASTLN_UNROLL
         for (int v = 0; v < VECTORS; v++) {
@@ -623,22 +640,22 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
 FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_float)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, float *dgamma_acc,
-    float *dbeta_acc)
+    float *dbeta_acc, int64_t n_fetch)
 {
     fastln_ln_backward_floats rows[FASTLN_BACKWARD_GROUP];
     for (int64_t r = 0; r < n_rows; r++) rows[r] = FASTLN_NAME(ln_backward_to_floats)(&sums[r]);
     if (n_rows == FASTLN_BACKWARD_GROUP && gamma)
         FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, gamma, dx, FASTLN_BACKWARD_GROUP, stride,
-                                                   width, rows, dgamma_acc, dbeta_acc);
+                                                   width, rows, dgamma_acc, dbeta_acc, n_fetch);
     else if (n_rows == FASTLN_BACKWARD_GROUP)
         FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, NULL, dx, FASTLN_BACKWARD_GROUP, stride,
-                                                   width, rows, dgamma_acc, dbeta_acc);
+                                                   width, rows, dgamma_acc, dbeta_acc, n_fetch);
     else if (gamma)
         FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, gamma, dx, n_rows, stride, width, rows,
-                                                   dgamma_acc, dbeta_acc);
+                                                   dgamma_acc, dbeta_acc, n_fetch);
     else
         FASTLN_NAME(ln_backward_write_rows_floats)(dy, x, NULL, dx, n_rows, stride, width, rows,
-                                                   dgamma_acc, dbeta_acc);
+                                                   dgamma_acc, dbeta_acc, n_fetch);
 }
 #endif
 
@@ -664,14 +681,14 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write)(
 FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_ln_backward_sums *sums, FASTLN_P *dgamma_acc,
-    FASTLN_P *dbeta_acc)
+    FASTLN_P *dbeta_acc, int64_t n_fetch)
 {
 #if FASTLN_COMPUTE_F32
     FASTLN_NAME(ln_backward_write_rows_float)(dy, x, gamma, dx, n_rows, stride, width, sums,
-                                              dgamma_acc, dbeta_acc);
+                                              dgamma_acc, dbeta_acc, n_fetch);
 #else
     FASTLN_NAME(ln_backward_write_rows_double)(dy, x, gamma, dx, n_rows, stride, width, sums,
-                                               dgamma_acc, dbeta_acc);
+                                               dgamma_acc, dbeta_acc, n_fetch);
 #endif
 }
 
@@ -728,12 +745,13 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_row_from_sums)(
  * not take as it is, or whose dx streams (rows from memory), goes row by row, keeping the first
  * passes already taken. mean and rstd are the group's entries of the cache. streamed: NULL, or
  * the line shared with the previous row (fastln_row_parts_of); next_row_follows: the row after
- * these is written next, by this thread. */
+ * these is written next, by this thread. n_fetch: how many of the rows after these the group's
+ * write pass fetches as it goes (fetch_rows_at; 0: none). */
 FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *mean,
     const FASTLN_P *rstd, double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols,
     FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc, fastln_shared_line *streamed,
-    int next_row_follows)
+    int next_row_follows, int64_t n_fetch)
 {
     fastln_ln_backward_sums sums[FASTLN_BACKWARD_GROUP];
     int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streamed;
@@ -766,10 +784,10 @@ FASTLN_INLINE void FASTLN_NAME(layer_norm_backward_rows)(
     const int64_t head = fastln_rows_head(dx, sizeof(FASTLN_T), n_cols);
     if (head > 0)
         FASTLN_NAME(ln_backward_write_rows)(dy, x, gamma, dx, n_rows, n_cols, head, sums,
-                                            dgamma_acc, dbeta_acc);
+                                            dgamma_acc, dbeta_acc, 0);
     FASTLN_NAME(ln_backward_write_rows)(dy + head, x + head, gamma ? gamma + head : NULL,
                                         dx + head, n_rows, n_cols, n_cols - head, sums,
-                                        dgamma_acc + head, dbeta_acc + head);
+                                        dgamma_acc + head, dbeta_acc + head, n_fetch);
 }
 
 /* ---- RMSNorm ------------------------------------------------------------------------------
@@ -934,7 +952,7 @@ FASTLN_INLINE int FASTLN_NAME(rms_backward_in_floats)(const fastln_rms_backward_
 FASTLN_INLINE void FASTLN_NAME(rms_backward_double_chunk)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t i, const int n_vectors, const fastln_rms_backward_row *rows,
-    double *dgamma_acc, int streaming, int stream_dx)
+    double *dgamma_acc, int streaming, int stream_dx, int64_t n_fetch)
 {
     FASTLN_VD dgamma[FASTLN_STEP / FASTLN_VF_LANES][2], scale[FASTLN_STEP / FASTLN_VF_LANES][2];
     FASTLN_UNROLL
@@ -951,6 +969,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_double_chunk)(
         FASTLN_NAME(prefetch_step_ahead)(dy + i, stride);
         FASTLN_NAME(prefetch_step_ahead)(x + i, stride);
     }
+    if (n_fetch) FASTLN_NAME(fetch_rows_at)(dy, x, dx, n_rows, n_fetch, stride, i);
     for (int64_t r = 0; r < n_rows; r++) {
         FASTLN_UNROLL
         for (int v = 0; v < n_vectors; v++) {
@@ -981,17 +1000,17 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_double_chunk)(
 FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc,
-    int streaming)
+    int streaming, int64_t n_fetch)
 {
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     int64_t i = 0;
     for (; i + FASTLN_STEP <= width; i += FASTLN_STEP)
         FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i,
                                                FASTLN_STEP / FASTLN_VF_LANES, rows, dgamma_acc,
-                                               streaming, stream_dx);
+                                               streaming, stream_dx, n_fetch);
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rows,
-                                               dgamma_acc, 0, stream_dx);
+                                               dgamma_acc, 0, stream_dx, 0);
     /* float64 rows fence each row, as the forward's (fastln/forward.h, ln_write_double). */
     if (stream_dx && !FASTLN_COMPUTE_F32) fastln_streaming_fence();
     for (; i < width; i++)
@@ -1026,7 +1045,7 @@ FASTLN_INLINE FASTLN_VF FASTLN_NAME(rms_backward_dx_float_of)(
 FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t i, const int n_vectors, const float *rstd, const float *mean,
-    double *dgamma_acc, int streaming, int stream_dx)
+    double *dgamma_acc, int streaming, int stream_dx, int64_t n_fetch)
 {
     FASTLN_VD dgamma[FASTLN_STEP / FASTLN_VF_LANES][2];
     FASTLN_VF gamma_v[FASTLN_STEP / FASTLN_VF_LANES]; /* loaded once for all the rows */
@@ -1041,6 +1060,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
         FASTLN_NAME(prefetch_step_ahead)(dy + i, stride);
         FASTLN_NAME(prefetch_step_ahead)(x + i, stride);
     }
+    if (n_fetch) FASTLN_NAME(fetch_rows_at)(dy, x, dx, n_rows, n_fetch, stride, i);
     for (int64_t r = 0; r < n_rows; r++) {
         FASTLN_UNROLL
         for (int v = 0; v < n_vectors; v++) {
@@ -1065,7 +1085,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_float_chunk)(
 FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
     int64_t stride, int64_t width, const fastln_rms_backward_row *rows, double *dgamma_acc,
-    int streaming)
+    int streaming, int64_t n_fetch)
 {
     const int stream_dx = streaming && fastln_is_aligned16(dx);
     float rstd[FASTLN_BACKWARD_GROUP], mean[FASTLN_BACKWARD_GROUP];
@@ -1077,10 +1097,10 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
     for (; i + FASTLN_STEP <= width; i += FASTLN_STEP)
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i,
                                               FASTLN_STEP / FASTLN_VF_LANES, rstd, mean,
-                                              dgamma_acc, streaming, stream_dx);
+                                              dgamma_acc, streaming, stream_dx, n_fetch);
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rstd, mean,
-                                              dgamma_acc, 0, stream_dx);
+                                              dgamma_acc, 0, stream_dx, 0);
 #if FASTLN_MASKED
     /* The last columns in one masked vector per row, as LayerNorm's float pass does. */
     if (i < width) {
@@ -1128,22 +1148,23 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write_part)(
     if (FASTLN_NAME(rms_backward_in_floats)(&rows[0])) {
         FASTLN_NAME(rms_backward_write_rows_float)(
             dy + start, x + start, gamma ? gamma + start : NULL, to, n_rows, n_cols, width, rows,
-            dgamma_acc + start, streaming);
+            dgamma_acc + start, streaming, 0);
         return;
     }
 #endif
     FASTLN_NAME(rms_backward_write_rows_double)(
         dy + start, x + start, gamma ? gamma + start : NULL, to, n_rows, n_cols, width, rows,
-        dgamma_acc + start, streaming);
+        dgamma_acc + start, streaming, 0);
 }
 
 /* The write pass over n_rows consecutive rows (one, or a group): the columns up to dx's next
  * cache line first, then whole-line stores. The rows of a group all start at the same offset
  * from a line only when a row is a whole number of lines; otherwise the group is stored as it
- * comes. A group only holds rows the float pass takes (rms_norm_backward_rows). */
+ * comes. A group only holds rows the float pass takes (rms_norm_backward_rows). n_fetch as
+ * for layer_norm_backward_rows. */
 FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_rows,
-    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc)
+    int64_t n_cols, const fastln_rms_backward_row *rows, double *dgamma_acc, int64_t n_fetch)
 {
     const int64_t head = n_rows == 1 ? fastln_elements_to_line(dx, sizeof(FASTLN_T), n_cols)
                                      : fastln_rows_head(dx, sizeof(FASTLN_T), n_cols);
@@ -1152,18 +1173,19 @@ FASTLN_INLINE void FASTLN_NAME(rms_backward_write)(
     for (int piece = 0; piece < 2; piece++) {
         const int64_t start = piece == 0 ? 0 : head;
         const int64_t width = piece == 0 ? head : n_cols - head;
+        const int64_t fetch = piece == 0 ? 0 : n_fetch;
         if (width == 0) continue;
 #if FASTLN_COMPUTE_F32
         if (FASTLN_NAME(rms_backward_in_floats)(&rows[0])) {
             FASTLN_NAME(rms_backward_write_rows_float)(
                 dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
-                width, rows, dgamma_acc + start, 0);
+                width, rows, dgamma_acc + start, 0, fetch);
             continue;
         }
 #endif
         FASTLN_NAME(rms_backward_write_rows_double)(
             dy + start, x + start, gamma ? gamma + start : NULL, dx + start, n_rows, n_cols,
-            width, rows, dgamma_acc + start, 0);
+            width, rows, dgamma_acc + start, 0, fetch);
     }
 }
 
@@ -1215,18 +1237,18 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_row)(
         FASTLN_NAME(rms_backward_write_streamed)(dy, x, gamma, dx, n_cols, &row, dgamma_acc,
                                                  streamed, next_row_follows);
     else
-        FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc);
+        FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, 1, n_cols, &row, dgamma_acc, 0);
 }
 
 /* Backward of n_rows <= FASTLN_BACKWARD_GROUP consecutive rows (rstd: their cache entries): each
  * row's mean(dx_hat * x_hat), then one write pass over the group's columns that loads and stores
  * each dgamma accumulator once per group. The same bits as row after row; a group with a row of
  * Inf rstd or one the float pass does not take, or whose dx streams (rows from memory), goes row
- * by row. streamed and next_row_follows as for layer_norm_backward_rows. */
+ * by row. streamed, next_row_follows and n_fetch as for layer_norm_backward_rows. */
 FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, const FASTLN_P *rstd,
     double eps, FASTLN_T *dx, int64_t n_rows, int64_t n_cols, double *dgamma_acc,
-    fastln_shared_line *streamed, int next_row_follows)
+    fastln_shared_line *streamed, int next_row_follows, int64_t n_fetch)
 {
     fastln_rms_backward_row rows[FASTLN_BACKWARD_GROUP];
     int grouped = n_rows <= FASTLN_BACKWARD_GROUP && !streamed;
@@ -1256,7 +1278,7 @@ FASTLN_INLINE void FASTLN_NAME(rms_norm_backward_rows)(
                                                dgamma_acc, NULL, 0);
         return;
     }
-    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc);
+    FASTLN_NAME(rms_backward_write)(dy, x, gamma, dx, n_rows, n_cols, rows, dgamma_acc, n_fetch);
 }
 
 #if FASTLN_MASKED && FASTLN_COMPUTE_F32

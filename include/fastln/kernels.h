@@ -93,6 +93,8 @@ typedef struct {
                                       * groups of FASTLN_BACKWARD_GROUP (dy, x and dx beyond the
                                       * cache: a row's two passes then overlap the next row's
                                       * loads better; docs/performance.md) */
+    int fetch_ahead;                 /* backwards: each group's write pass fetches the next
+                                      * group's lines (dy, x and dx beyond L2) */
     int add_in_float;                /* the fused adds: x + residual in float (the half
                                       * formats always; float32 with the call's arrays in
                                       * cache, else in double, which measured faster from L3) */

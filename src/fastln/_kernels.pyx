@@ -58,7 +58,7 @@ cdef extern from "fastln/kernels.h" nogil:
         void *rstd
         int64_t n_rows, n_cols
         double eps
-        int streaming, rows_alone, add_in_float
+        int streaming, rows_alone, fetch_ahead, add_in_float
         int64_t n_blocks, rows_per_block
         double *partials
         float *accumulators
@@ -241,7 +241,10 @@ def set_default_num_threads(int num_threads):
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING, its
+# half types). A row backward whose dy, x and dx reach BACKWARD_MIN_BYTES_FOR_FETCHING fetches
+# the next group's lines while it writes each group (rows taken alone: only rows of
+# MIN_ROW_BYTES_FETCHED_ALONE and more; docs/performance.md, "The next rows fetched while a
+# group is written"). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING, its
 # backward dx from inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING, in both layouts (the backward
 # channels last: the float32-compute types; docs/performance.md, "GroupNorm's outputs streamed
 # from smaller calls"). BatchNorm's rows layout streams y (dx) from smaller inputs, of
@@ -260,6 +263,8 @@ cdef enum:
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
+    BACKWARD_MIN_BYTES_FOR_FETCHING = 12 * 1024 * 1024
+    MIN_ROW_BYTES_FETCHED_ALONE = 4 * 1024
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
     GN_MIN_BYTES_FOR_STREAMING = 12 * 1024 * 1024
@@ -313,7 +318,7 @@ cdef inline void _rows_call(fastln_rows_call *call, const void *x, Py_ssize_t n_
     call.n_cols = n_cols
     call.eps = eps
     call.streaming = output_bytes >= MIN_BYTES_FOR_STREAMING
-    call.rows_alone = 0
+    call.rows_alone = call.fetch_ahead = 0
     call.add_in_float = 0
     call.n_blocks = call.rows_per_block = 0
     call.partials = NULL
@@ -424,6 +429,11 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     call.rows_alone = (storage == FASTLN_FLOAT32
                        and 3 * row_bytes * call.n_rows >= MIN_BYTES_FOR_STREAMING
                        and row_bytes <= MAX_ROW_BYTES_ALONE)
+    cdef Py_ssize_t element_bytes = (8 if storage == FASTLN_FLOAT64 else
+                                     4 if storage == FASTLN_FLOAT32 else 2)
+    call.fetch_ahead = (3 * element_bytes * call.n_cols * call.n_rows
+                        >= BACKWARD_MIN_BYTES_FOR_FETCHING
+                        and not (call.rows_alone and row_bytes < MIN_ROW_BYTES_FETCHED_ALONE))
     call.partials = <double*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(double))
     if storage != FASTLN_FLOAT64:
         call.accumulators = <float*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(float))
