@@ -448,20 +448,19 @@ FETCHING_BYTES = 12 * 1024 * 1024  # BACKWARD_MIN_BYTES_FOR_FETCHING in src/fast
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("dtype, n_cols", [
-    pytest.param(np.float32, 1000, id="float32"), pytest.param(np.float64, 1000, id="float64"),
-    pytest.param(np.float16, 1000, id="float16"),
-    pytest.param(BFLOAT16, 1000, id="bfloat16", marks=needs_ml_dtypes),
-    pytest.param(np.float32, 1024, id="float32-rows-alone")])
-def test_backward_fetching_the_next_rows_keeps_the_bits(rms, dtype, n_cols):
+@pytest.mark.parametrize("dtype, n_cols, reach", [
+    pytest.param(np.float32, 1000, FETCHING_BYTES, id="float32"),
+    pytest.param(np.float64, 1000, FETCHING_BYTES, id="float64"),
+    pytest.param(np.float16, 1000, FETCHING_BYTES, id="float16"),
+    pytest.param(BFLOAT16, 1000, FETCHING_BYTES, id="bfloat16", marks=needs_ml_dtypes),
+    pytest.param(np.float32, 1024, STREAMING_BYTES, id="float32-rows-alone")])
+def test_backward_fetching_the_next_rows_keeps_the_bits(rms, dtype, n_cols, reach):
     """A backward whose dy, x and dx reach 12 MiB fetches the next rows' lines while it writes
-    each group (float32 rows taken alone: rows of 4 KiB and more, the 1024 columns here); the
-    same rows in a small batch, where nothing is fetched, give the same dx bits, and 1 and 2
-    threads the same dgamma (and dbeta)."""
+    each group (float32 rows taken alone, from 32 MiB: rows of 4 KiB and more, the 1024 columns
+    here); the same rows in a small batch, where nothing is fetched, give the same dx bits, and
+    1 and 2 threads the same dgamma (and dbeta). dy, x and dx together just reach `reach`."""
     itemsize = np.dtype(dtype).itemsize
-    n_rows = FETCHING_BYTES // (3 * itemsize * n_cols) + 5
-    if n_cols == 1024:  # beyond 32 MiB: rows alone
-        n_rows = STREAMING_BYTES // (3 * itemsize * n_cols) + 5
+    n_rows = reach // (3 * itemsize * n_cols) + 5
     rng = np.random.default_rng(21)
     x = random_input(rng, (n_rows, n_cols), dtype, offset=3.0)
     param = np.float64 if dtype == np.float64 else np.float32

@@ -15,21 +15,33 @@ case; the child names each case before it runs it, and the test reports the last
 the child dies. Each guarded call is also held bit for bit to the same call on ordinary arrays:
 where an array sits must not change what is computed.
 """
+import ctypes
 import functools
+import mmap
 import os
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import fastln
+from conftest import BFLOAT16, assert_bitwise_equal
+from fastln import _kernels
 
 FAMILIES = ("rows", "batch_norm", "group_norm")
 
 
+def _run_child(argument, timeout):
+    """This file run as a script with argument (without faulthandler's report of a fault)."""
+    return subprocess.run([sys.executable, __file__, argument], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONFAULTHANDLER": ""})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_access_outside_the_arrays(family):
-    result = subprocess.run([sys.executable, __file__, family], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "PYTHONFAULTHANDLER": ""})
+    result = _run_child(family, timeout=600)
     named = [line for line in result.stdout.splitlines() if line.startswith("case ")]
     assert result.returncode == 0, (
         f"the child exited with {result.returncode} during "
@@ -42,8 +54,7 @@ def test_no_access_outside_the_arrays(family):
 @pytest.mark.parametrize("side", ["end", "start"])
 def test_the_guard_stops_an_access_one_byte_outside(side):
     """The harness itself: a read of the byte just past the end (before the start) faults."""
-    result = subprocess.run([sys.executable, __file__, f"outside-{side}"], capture_output=True,
-                            text=True, timeout=60, env={**os.environ, "PYTHONFAULTHANDLER": ""})
+    result = _run_child(f"outside-{side}", timeout=60)
     assert "the guarded array reads back" in result.stdout
     assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-2000:])
 
@@ -54,11 +65,6 @@ def _guarded_memory():
     """guarded(values, side) copies values into memory flush against an inaccessible page;
     release() lets the mappings made so far go with their arrays (a process may only have so
     many)."""
-    import ctypes
-    import mmap
-
-    import numpy as np
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     page = mmap.PAGESIZE
@@ -86,23 +92,8 @@ def _guarded_memory():
     return guarded, release
 
 
-def _same_bits(expected, actual, what):
-    import numpy as np
-
-    expected, actual = np.asarray(expected), np.asarray(actual)
-    assert expected.dtype == actual.dtype and expected.shape == actual.shape, what
-    e = np.ascontiguousarray(expected).reshape(-1).view(f"u{expected.itemsize}")
-    a = np.ascontiguousarray(actual).reshape(-1).view(f"u{actual.itemsize}")
-    assert (e == a).all(), f"{what}: the guarded call's results differ"
-
-
-def _dtypes():
-    import numpy as np
-    try:
-        import ml_dtypes
-    except ImportError:  # a test extra
-        return [np.float32, np.float64, np.float16]
-    return [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
+# every storage type (bfloat16 with ml_dtypes, a test extra)
+DTYPES = [np.float32, np.float64, np.float16] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
 
 # Sizes from which the kernels stream their outputs or fetch ahead (src/fastln/_kernels.pyx),
@@ -115,14 +106,11 @@ STREAMED_GROUP_NORM_BYTES = 13 * 2**20
 
 def _count_for(n_bytes, elements_per_item, dtype):
     """How many items of elements_per_item elements of dtype take at least n_bytes."""
-    import numpy as np
     item_bytes = elements_per_item * np.dtype(dtype).itemsize
     return -(-n_bytes // item_bytes)
 
 
-def _row_cases(np, dtype, rng):
-    import fastln
-
+def _row_cases(dtype, rng):
     widths = (1, 2, 3, 5, 7, 15, 16, 17, 31, 33, 63, 64, 65, 100, 129, 777)
     shapes = [(rows, width) for width in widths for rows in (1, 3)] + [(300, 1000)]
     # a backward that fetches the next rows as it writes (dy, x and dx of 12 MiB and more), and
@@ -173,9 +161,7 @@ def _row_cases(np, dtype, rng):
                 yield f"{name} {shape}", call
 
 
-def _batch_norm_cases(np, dtype, rng):
-    import fastln
-
+def _batch_norm_cases(dtype, rng):
     shapes = [((rows, features), -1) for features in (1, 3, 16, 17, 33, 100) for rows in (1, 5)]
     shapes += [((2, 3, 5, 7), 1), ((3, 17, 3, 3), 1), ((2, 4, 1, 1), 1), ((1, 33, 16), 1),
                ((2, 5, 7, 6), -1), ((64, 300), -1), ((16, 64, 9, 9), 1)]
@@ -209,9 +195,7 @@ def _batch_norm_cases(np, dtype, rng):
             yield f"batch_norm {shape} axis={axis} training={training}", batch_norm
 
 
-def _group_norm_cases(np, dtype, rng):
-    import fastln
-
+def _group_norm_cases(dtype, rng):
     shapes = [((2, 6, 5, 7), 3, 1), ((1, 32, 9, 9), 8, 1), ((3, 4, 1, 1), 2, 1),
               ((1, 8, 33), 4, 1), ((2, 5, 7, 6), 2, -1), ((1, 9, 9, 32), 8, -1),
               ((2, 3, 18), 3, -1), ((1, 64, 16, 16), 32, 1), ((2, 16, 16, 64), 32, -1)]
@@ -246,10 +230,6 @@ def _group_norm_cases(np, dtype, rng):
 
 
 def _child(family):
-    import numpy as np
-
-    from fastln import _kernels
-
     cases_of = {"rows": _row_cases, "batch_norm": _batch_norm_cases,
                 "group_norm": _group_norm_cases}[family]
     guarded, release = _guarded_memory()
@@ -257,15 +237,15 @@ def _child(family):
     try:
         for variant in _kernels.instruction_sets():
             _kernels.use_instruction_set(variant)
-            for dtype in _dtypes():
-                for name, call in cases_of(np, dtype, rng):
+            for dtype in DTYPES:
+                for name, call in cases_of(dtype, rng):
                     expected = call(lambda a: np.array(a, copy=True))
                     for side in ("end", "start"):
                         label = f"case {name} {np.dtype(dtype).name} {variant} {side}"
                         print(label, flush=True)
                         results = call(lambda a, side=side: guarded(a, side))
                         for index, (e, a) in enumerate(zip(expected, results)):
-                            _same_bits(e, a, f"{label}, result {index}")
+                            assert_bitwise_equal(e, a, f"{label}, result {index}")
                         del results
                         release()
     finally:
@@ -274,10 +254,6 @@ def _child(family):
 
 
 def _read_outside(side):
-    import ctypes
-
-    import numpy as np
-
     guarded, _ = _guarded_memory()
     values = np.arange(5, dtype=np.float32)
     array = guarded(values, side)

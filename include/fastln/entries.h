@@ -131,12 +131,10 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
 #endif
         for (int64_t row = row_start; row < row_end;) {
             const int64_t count = fastln_min(group, row_end - row);
-            const int64_t n_fetch =
-                call->fetch_ahead ? fastln_min(group, task_end - (row + count)) : 0;
-            FASTLN_NAME(layer_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
-                                                  mean + row, rstd + row, call->eps,
-                                                  dx + row * n, count, n, dgamma_acc, dbeta_acc,
-                                                  streamed, row + count < task_end, n_fetch);
+            FASTLN_NAME(layer_norm_backward_rows)(
+                dy + row * n, x + row * n, call->gamma, mean + row, rstd + row, call->eps,
+                dx + row * n, count, n, dgamma_acc, dbeta_acc, streamed, row + count < task_end,
+                fastln_rows_to_fetch(call, group, row + count, task_end));
             row += count;
 #if FASTLN_COMPUTE_F32
             if ((row - row_start) % FASTLN_ROWS_PER_FLUSH == 0 || row == row_end) {
@@ -166,12 +164,10 @@ static void FASTLN_NAME(rms_norm_backward_task)(const void *opaque, int64_t begi
         double *dgamma_partial = call->partials + block * n;
         for (int64_t row = row_start; row < row_end;) {
             const int64_t count = fastln_min(group, row_end - row);
-            const int64_t n_fetch =
-                call->fetch_ahead ? fastln_min(group, task_end - (row + count)) : 0;
-            FASTLN_NAME(rms_norm_backward_rows)(dy + row * n, x + row * n, call->gamma,
-                                                rstd + row, call->eps, dx + row * n, count, n,
-                                                dgamma_partial, streamed, row + count < task_end,
-                                                n_fetch);
+            FASTLN_NAME(rms_norm_backward_rows)(
+                dy + row * n, x + row * n, call->gamma, rstd + row, call->eps, dx + row * n,
+                count, n, dgamma_partial, streamed, row + count < task_end,
+                fastln_rows_to_fetch(call, group, row + count, task_end));
             row += count;
         }
     }

@@ -174,6 +174,14 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
     return fastln_min(fastln_max(n_rows / FASTLN_MIN_ROWS_PER_BLOCK, 1), FASTLN_MAX_BLOCKS);
 }
 
+/* How many rows from next_row a backward group's write pass fetches: the next group's (of
+ * `group` rows), those of them before task_end, when the call fetches ahead. */
+static inline int64_t fastln_rows_to_fetch(const fastln_rows_call *call, int64_t group,
+                                           int64_t next_row, int64_t task_end)
+{
+    return call->fetch_ahead ? fastln_min(group, task_end - next_row) : 0;
+}
+
 /* Column sums (BatchNorm's rows layout, channels-last GroupNorm) read a chunk of columns down a
  * run of run_rows rows, then the next chunk: `at` prefetches its own place two runs down, into
  * L2. Not into L1, which a run's rows can fill by themselves (16 rows of 512 float32 are 32 KiB):

@@ -425,14 +425,11 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     float32-compute types, float accumulators), then the column sums in block order."""
     call.n_blocks = fastln_row_blocks(call.n_rows)
     call.rows_per_block = (call.n_rows + call.n_blocks - 1) // call.n_blocks
-    cdef Py_ssize_t row_bytes = call.n_cols * sizeof(float)  # read only for float32
-    call.rows_alone = (storage == FASTLN_FLOAT32
-                       and 3 * row_bytes * call.n_rows >= MIN_BYTES_FOR_STREAMING
+    cdef Py_ssize_t row_bytes = call.n_cols * _storage_bytes(storage)
+    cdef Py_ssize_t call_bytes = 3 * row_bytes * call.n_rows  # dy, x and dx
+    call.rows_alone = (storage == FASTLN_FLOAT32 and call_bytes >= MIN_BYTES_FOR_STREAMING
                        and row_bytes <= MAX_ROW_BYTES_ALONE)
-    cdef Py_ssize_t element_bytes = (8 if storage == FASTLN_FLOAT64 else
-                                     4 if storage == FASTLN_FLOAT32 else 2)
-    call.fetch_ahead = (3 * element_bytes * call.n_cols * call.n_rows
-                        >= BACKWARD_MIN_BYTES_FOR_FETCHING
+    call.fetch_ahead = (call_bytes >= BACKWARD_MIN_BYTES_FOR_FETCHING
                         and not (call.rows_alone and row_bytes < MIN_ROW_BYTES_FETCHED_ALONE))
     call.partials = <double*>calloc(n_sums * call.n_blocks * call.n_cols, sizeof(double))
     if storage != FASTLN_FLOAT64:
