@@ -3,7 +3,7 @@
 - Every docstring example and every example in docs/api.md runs (sections that need an
   optional package are skipped without it).
 - docs/api.md names every public function, and every public function has a docstring with an
-  Examples section.
+  Examples section, its shared paragraphs (fastln._docs) filled in.
 - The stub fastln/__init__.pyi has exactly the runtime's names and signatures (parameter names,
   kinds and defaults of every overload).
 - mypy accepts a user script and infers the documented types, and rejects a wrong one.
@@ -39,6 +39,7 @@ def _available(module):
 DOCTEST_MODULES = [
     ("fastln._row_norms", []),
     ("fastln._batch_norm", []),
+    ("fastln._group_norm", []),
     ("fastln._threads", []),
     ("fastln._memory", []),
     ("fastln.torch", ["torch"]),
@@ -136,6 +137,13 @@ def test_every_public_function_has_an_example():
         if not doc or "Examples\n--------" not in doc:
             lacking.append(name)
     assert not lacking, f"no NumPy-style Examples section in the docstring of {lacking}"
+
+
+def test_shared_paragraphs_are_filled_in():
+    """A ``{name}`` line of fastln._docs left in a docstring is a paragraph the reader lacks."""
+    unfilled = [name for name, obj in _public_names()
+                if re.search(r"^ *\{\w+\}$", inspect.getdoc(obj) or "", flags=re.M)]
+    assert not unfilled, f"shared docstring paragraphs left as placeholders in {unfilled}"
 
 
 # ---------------------------------------------------------------------------------------------

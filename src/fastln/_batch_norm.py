@@ -22,6 +22,7 @@ from fastln._checks import (
     feature_layout,
     protect_from_output,
 )
+from fastln._docs import shares_docs
 from fastln._output_cache import empty_output
 from fastln._threads import resolve_num_threads
 
@@ -87,6 +88,7 @@ def _forward(x, gamma, beta, running_mean, running_var, training, momentum, eps,
     return result, BatchNormCache(x, mean, rstd, axis, eps, training, dtype)
 
 
+@shares_docs
 def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *, training=False,
                momentum=0.9, eps=1e-5, axis=-1, out=None, num_threads=None):
     """Batch normalization: ``gamma * (x - mean) / sqrt(var + eps) + beta`` per feature.
@@ -137,14 +139,7 @@ def batch_norm(x, gamma=None, beta=None, running_mean=None, running_var=None, *,
         Added to the variance; a finite number >= 0.
     axis : int, default -1
         The feature axis.
-    out : ndarray, optional
-        C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
-    num_threads : int, optional
-        OpenMP threads; None uses fastln's default (``fastln.get_num_threads()``).
-
-    Returns
-    -------
-    y : ndarray of x's shape (``out`` when given)
+    {forward_out}
 
     Raises
     ------
@@ -202,6 +197,7 @@ def batch_norm_forward(x, gamma=None, beta=None, running_mean=None, running_var=
                     out, num_threads, keep_cache=True)
 
 
+@shares_docs
 def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """Gradients of :func:`batch_norm_forward` with respect to x, gamma and beta.
 
@@ -217,19 +213,10 @@ def batch_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     Parameters
     ----------
-    dy : array_like
-        Gradient of the loss with respect to y: y's shape and dtype.
+    {backward_dy}
     cache : BatchNormCache
         From :func:`batch_norm_forward`.
-    gamma : array_like of shape ``(x.shape[axis],)``, optional
-        The scale the forward used (None: ones).
-    out : ndarray, optional
-        Buffer for dx, with the rules of the forward's ``out``; may be dy itself.
-    num_threads : int, optional
-
-    Returns
-    -------
-    dx : ndarray of x's shape
+    {backward_out}
     dgamma, dbeta : ndarray of shape ``(x.shape[axis],)``
         Identical for every ``num_threads``; returned even when gamma/beta were None.
 

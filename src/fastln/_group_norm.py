@@ -21,6 +21,7 @@ from fastln._checks import (
     compute_dtype,
     protect_from_output,
 )
+from fastln._docs import shares_docs
 from fastln._output_cache import empty_output
 from fastln._threads import resolve_num_threads
 
@@ -104,6 +105,7 @@ def _backward(name, dy, cache, gamma, out, num_threads):
 # GroupNorm
 # ---------------------------------------------------------------------------------------------
 
+@shares_docs
 def group_norm(x, num_groups, gamma=None, beta=None, eps=1e-5, *, channel_axis=1, out=None,
                num_threads=None):
     """Group normalization: ``gamma_c * (x - mean) / sqrt(var + eps) + beta_c``, with mean and
@@ -131,14 +133,7 @@ def group_norm(x, num_groups, gamma=None, beta=None, eps=1e-5, *, channel_axis=1
     eps : float, default 1e-5
         Added to the variance; a finite number >= 0.
     channel_axis : {1, -1}, default 1
-    out : ndarray, optional
-        C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
-    num_threads : int, optional
-        OpenMP threads; None uses OpenMP's default (``OMP_NUM_THREADS``).
-
-    Returns
-    -------
-    y : ndarray of x's shape (``out`` when given)
+    {forward_out}
 
     Examples
     --------
@@ -178,6 +173,7 @@ def group_norm_forward(x, num_groups, gamma=None, beta=None, eps=1e-5, *, channe
                     num_threads, keep_cache=True)
 
 
+@shares_docs
 def group_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """Gradients of :func:`group_norm_forward` with respect to x, gamma and beta.
 
@@ -190,19 +186,10 @@ def group_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     Parameters
     ----------
-    dy : array_like
-        Gradient of the loss with respect to y: y's shape and dtype.
+    {backward_dy}
     cache : GroupNormCache
         From :func:`group_norm_forward` (or :func:`instance_norm_forward`).
-    gamma : array_like of shape ``(C,)``, optional
-        The scale the forward used (None: ones).
-    out : ndarray, optional
-        Buffer for dx, with the rules of the forward's ``out``; may be dy itself.
-    num_threads : int, optional
-
-    Returns
-    -------
-    dx : ndarray of x's shape
+    {backward_out}
     dgamma, dbeta : ndarray of shape ``(C,)``
         Identical for every ``num_threads``; in y's dtype, except float32 for
         float16/bfloat16.

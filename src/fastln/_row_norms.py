@@ -27,6 +27,7 @@ from fastln._checks import (
     protect_from_output,
     rows_and_cols,
 )
+from fastln._docs import shares_docs
 from fastln._output_cache import empty_output
 from fastln._threads import resolve_num_threads
 
@@ -159,6 +160,7 @@ def _backward(name, dy, cache, gamma, out, num_threads):
 # LayerNorm
 # ---------------------------------------------------------------------------------------------
 
+@shares_docs
 def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     """Layer normalization: ``gamma * (x - mean) / sqrt(var + eps) + beta`` for each row.
 
@@ -178,14 +180,7 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
         Added to the variance; a finite number >= 0.
     axis : int, default -1
         The first normalized axis.
-    out : ndarray, optional
-        C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
-    num_threads : int, optional
-        OpenMP threads; None uses fastln's default (``fastln.get_num_threads()``).
-
-    Returns
-    -------
-    y : ndarray of x's shape (``out`` when given)
+    {forward_out}
 
     Examples
     --------
@@ -232,25 +227,17 @@ def layer_norm_forward(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None,
                     keep_cache=True)
 
 
+@shares_docs
 def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """Gradients of :func:`layer_norm_forward` with respect to x, gamma and beta.
 
     Parameters
     ----------
-    dy : array_like
-        Gradient of the loss with respect to y: y's shape and dtype.
+    {backward_dy}
     cache : LayerNormCache
         From :func:`layer_norm_forward`. A row whose ``cache.rstd`` is inf (beyond the dtype's
         range, see there) takes its statistics again from ``cache.x`` and ``cache.eps``.
-    gamma : array_like of shape ``x.shape[axis:]``, optional
-        The scale the forward used (None: ones).
-    out : ndarray, optional
-        Buffer for dx, with the rules of the forward's ``out``; may be dy itself.
-    num_threads : int, optional
-
-    Returns
-    -------
-    dx : ndarray of x's shape
+    {backward_out}
     dgamma, dbeta : ndarray of shape ``x.shape[axis:]``
         Sums over the rows, identical for every ``num_threads``; in y's dtype, except float32
         for float16/bfloat16 (a sum over many rows would overflow float16).
@@ -285,6 +272,7 @@ def layer_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 # RMSNorm
 # ---------------------------------------------------------------------------------------------
 
+@shares_docs
 def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     """RMS normalization: ``gamma * x / sqrt(mean(x**2) + eps)`` for each row.
 
@@ -307,15 +295,7 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
         Added to the mean of squares; a finite number >= 0.
     axis : int, default -1
         The first normalized axis.
-    out : ndarray, optional
-        C-contiguous, shape ``x.shape``, the output dtype. May be ``x`` itself (in place).
-    num_threads : int, optional
-        OpenMP threads; None uses fastln's default (``fastln.get_num_threads()``). Results are
-        identical for every value.
-
-    Returns
-    -------
-    y : ndarray of x's shape (``out`` when given)
+    {forward_out}
 
     Examples
     --------
@@ -360,6 +340,7 @@ def rms_norm_forward(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=
                     keep_cache=True)
 
 
+@shares_docs
 def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
     """Gradients of :func:`rms_norm_forward` with respect to x and gamma.
 
@@ -370,21 +351,12 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 
     Parameters
     ----------
-    dy : array_like
-        Gradient of the loss with respect to y: y's shape and dtype.
+    {backward_dy}
     cache : RMSNormCache
         From :func:`rms_norm_forward` (or :func:`fastln.add_rms_norm_forward`). A row whose
         ``cache.rstd`` is inf and whose values are not all zero (rstd beyond the dtype's range)
         takes its rstd again from ``cache.x`` and ``cache.eps``.
-    gamma : array_like of shape ``x.shape[axis:]``, optional
-        The scale the forward used (None: ones).
-    out : ndarray, optional
-        Buffer for dx, with the rules of the forward's ``out``; may be dy itself.
-    num_threads : int, optional
-
-    Returns
-    -------
-    dx : ndarray of x's shape
+    {backward_out}
     dgamma : ndarray of shape ``x.shape[axis:]``
         Sum over the rows, identical for every ``num_threads``; returned even when gamma is
         None. In y's dtype, except float32 for float16/bfloat16.
