@@ -3,20 +3,9 @@ in one pass. Held to fastln.reference, to the unfused fastln.layer_norm / rms_no
 to PyTorch's norm of a sum, and to the usual promises (aliasing, determinism, errors)."""
 import numpy as np
 import pytest
-from conftest import (
-    DTYPES,
-    LAYOUTS,
-    THREADS,
-    Snapshot,
-    assert_bitwise_equal,
-    assert_close,
-    assert_output_array,
-    at_line_offset,
-    make_layout,
-    numeric_gradient,
-    random_input,
-    random_params,
-)
+from conftest import (DTYPES, LAYOUTS, THREADS, Snapshot, assert_bitwise_equal, assert_close,
+                      assert_output_array, at_line_offset, make_layout, numeric_gradient,
+                      random_input, random_params)
 
 import fastln
 from fastln import reference

@@ -6,19 +6,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest import (
-    DTYPES,
-    LAYOUTS,
-    THREADS,
-    Snapshot,
-    assert_bitwise_equal,
-    assert_close,
-    assert_output_array,
-    make_layout,
-    numeric_gradient,
-    random_input,
-    random_params,
-)
+from conftest import (DTYPES, LAYOUTS, THREADS, Snapshot, assert_bitwise_equal, assert_close,
+                      assert_output_array, make_layout, numeric_gradient, random_input,
+                      random_params)
 
 import fastln
 from fastln import reference

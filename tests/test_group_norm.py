@@ -4,17 +4,8 @@ promises: large offsets, constant groups, NaN kept in its group, the same bits f
 count and batch, clear errors."""
 import numpy as np
 import pytest
-from conftest import (
-    THREADS,
-    Snapshot,
-    assert_bitwise_equal,
-    assert_close,
-    assert_output_array,
-    at_line_offset,
-    make_layout,
-    onnx_node_cases,
-    random_params,
-)
+from conftest import (THREADS, Snapshot, assert_bitwise_equal, assert_close, assert_output_array,
+                      at_line_offset, make_layout, onnx_node_cases, random_params)
 
 import fastln
 from fastln import reference
