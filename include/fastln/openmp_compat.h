@@ -33,7 +33,7 @@ static inline void fastln_watch_for_fork(void) {}
 /* The most threads a call will start: more than a few per processor only wastes memory, and
  * asking OpenMP for a team of 10^5 threads can exhaust the process (results are the same for
  * every count, so capping changes nothing but the cost). 1 in a forked child (see above). */
-static int fastln_thread_cap_value = 0; /* computed once: omp_get_num_procs() costs ~0.2 us */
+static int fastln_thread_cap_value = 0; /* once: omp_get_num_procs() asks the kernel each time */
 static inline int fastln_thread_cap(void)
 {
     if (fastln_in_forked_child) return 1;

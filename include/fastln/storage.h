@@ -172,7 +172,8 @@ FASTLN_INLINE void FASTLN_NAME(store_c_to)(FASTLN_T *p, FASTLN_VC v, int streami
 /* The n elements of `values` at p: a streamed row's last elements after its vectors, with
  * non-temporal stores too when streaming (16 bytes at a time; p 16-byte aligned then). A line
  * written partly with plain stores and partly with non-temporal ones leaves the write-combining
- * buffers half full; a row that ended that way made a pass 10x slower (docs/performance.md). */
+ * buffers half full, and a row that ended that way slowed the whole pass (docs/performance.md,
+ * "Streamed rows that end in a partial vector"). */
 FASTLN_INLINE void FASTLN_NAME(store_elements_to)(FASTLN_T *p, const FASTLN_T *values, int64_t n,
                                                   int streaming)
 {
