@@ -448,17 +448,20 @@ FETCHING_BYTES = 12 * 1024 * 1024  # BACKWARD_MIN_BYTES_FOR_FETCHING in src/fast
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("dtype, n_cols, reach", [
-    pytest.param(np.float32, 1000, FETCHING_BYTES, id="float32"),
-    pytest.param(np.float64, 1000, FETCHING_BYTES, id="float64"),
-    pytest.param(np.float16, 1000, FETCHING_BYTES, id="float16"),
-    pytest.param(BFLOAT16, 1000, FETCHING_BYTES, id="bfloat16", marks=needs_ml_dtypes),
-    pytest.param(np.float32, 1024, STREAMING_BYTES, id="float32-rows-alone")])
-def test_backward_fetching_the_next_rows_keeps_the_bits(rms, dtype, n_cols, reach):
+@pytest.mark.parametrize("dtype, n_cols, reach, line_offset", [
+    pytest.param(np.float32, 1000, FETCHING_BYTES, None, id="float32"),
+    pytest.param(np.float64, 1000, FETCHING_BYTES, None, id="float64"),
+    pytest.param(np.float16, 1000, FETCHING_BYTES, None, id="float16"),
+    pytest.param(BFLOAT16, 1000, FETCHING_BYTES, None, id="bfloat16", marks=needs_ml_dtypes),
+    pytest.param(np.float32, 1024, STREAMING_BYTES, None, id="float32-rows-alone"),
+    pytest.param(np.float32, 768, STREAMING_BYTES, (16, 48), id="float32-rows-alone-off-lines")])
+def test_backward_fetching_the_next_rows_keeps_the_bits(rms, dtype, n_cols, reach, line_offset):
     """A backward whose dy, x and dx reach 12 MiB fetches the next rows' lines while it writes
-    each group (float32 rows taken alone, from 32 MiB: rows of 4 KiB and more, the 1024 columns
-    here); the same rows in a small batch, where nothing is fetched, give the same dx bits, and
-    1 and 2 threads the same dgamma (and dbeta). dy, x and dx together just reach `reach`."""
+    each group (float32 rows taken alone, from 32 MiB: the next two rows, for rows of 1536 bytes
+    and more); the same rows in a small batch, where nothing is fetched, give the same dx bits,
+    and 1 and 2 threads the same dgamma (and dbeta). dy, x and dx together just reach `reach`.
+    line_offset: x and dy placed that many bytes past a cache line (rows that span one line more
+    than the write pass's steps, whose last line is fetched apart)."""
     itemsize = np.dtype(dtype).itemsize
     n_rows = reach // (3 * itemsize * n_cols) + 5
     rng = np.random.default_rng(21)
@@ -466,6 +469,8 @@ def test_backward_fetching_the_next_rows_keeps_the_bits(rms, dtype, n_cols, reac
     param = np.float64 if dtype == np.float64 else np.float32
     gamma, beta = random_params(rng, (n_cols,), param)
     dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    if line_offset is not None:
+        x, dy = at_line_offset(x, line_offset[0]), at_line_offset(dy, line_offset[1])
     assert 3 * x.nbytes >= FETCHING_BYTES and x.nbytes < STREAMING_BYTES
     _backward_bits_hold(rms, x, gamma, beta, dy,
                         np.array([0, 1, 2, 3, 4, 5, n_rows // 2, n_rows - 2, n_rows - 1]))

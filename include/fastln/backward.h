@@ -388,18 +388,41 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
             dy, x, gamma, i, &row, dgamma_acc + i, dbeta_acc + i));
 }
 
-/* The lines at column i of n_fetch rows from row first (rows stride elements apart) fetched
- * into L2 as a group's write pass goes: dy and x for the next group's first passes, dx for its
- * writes. Without them the next rows' first pass starts on lines still in memory, its loads
- * stalling while nothing else is on its way (docs/performance.md). */
+/* The lines at columns [i, i + FASTLN_STEP) of n_fetch rows from row first (rows stride
+ * elements apart) fetched into L2 as a group's write pass goes: dy and x for the next group's
+ * first passes, dx for its writes. Without them the next rows' first pass starts on lines still
+ * in memory, its loads stalling while nothing else is on its way (docs/performance.md). */
 FASTLN_INLINE void FASTLN_NAME(fetch_rows_at)(const FASTLN_T *dy, const FASTLN_T *x,
                                               FASTLN_T *dx, int64_t first, int64_t n_fetch,
                                               int64_t stride, int64_t i)
 {
     for (int64_t r = first; r < first + n_fetch; r++) {
-        __builtin_prefetch(dy + r * stride + i, 0, 2);
-        __builtin_prefetch(x + r * stride + i, 0, 2);
-        __builtin_prefetch(dx + r * stride + i, 1, 2);
+        FASTLN_UNROLL
+        for (int64_t k = i; k < i + FASTLN_STEP; k += FASTLN_LINE) {
+            __builtin_prefetch(dy + r * stride + k, 0, 2);
+            __builtin_prefetch(x + r * stride + k, 0, 2);
+            __builtin_prefetch(dx + r * stride + k, 1, 2);
+        }
+    }
+}
+
+/* The rest of the fetched rows' lines, after the whole steps: columns [i, width), and the line
+ * of the last column. Only dx's rows start on a line (the write passes begin at dx's first
+ * whole line); a row of dy or x that does not spans one line more than its steps, and that line,
+ * missed, stalled the next row's first pass on memory. */
+FASTLN_INLINE void FASTLN_NAME(fetch_rows_rest)(const FASTLN_T *dy, const FASTLN_T *x,
+                                                FASTLN_T *dx, int64_t first, int64_t n_fetch,
+                                                int64_t stride, int64_t i, int64_t width)
+{
+    if (width <= 0) return;
+    for (int64_t r = first; r < first + n_fetch; r++) {
+        for (int64_t k = i; k < width; k += FASTLN_LINE) {
+            __builtin_prefetch(dy + r * stride + k, 0, 2);
+            __builtin_prefetch(x + r * stride + k, 0, 2);
+            __builtin_prefetch(dx + r * stride + k, 1, 2);
+        }
+        __builtin_prefetch(dy + r * stride + width - 1, 0, 2);
+        __builtin_prefetch(x + r * stride + width - 1, 0, 2);
     }
 }
 
@@ -442,6 +465,7 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_rows_double)(
                                       dbeta[v][1]);
         }
     }
+    if (n_fetch) FASTLN_NAME(fetch_rows_rest)(dy, x, dx, n_rows, n_fetch, stride, i, width);
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         for (int64_t r = 0; r < n_rows; r++)
             FASTLN_NAME(ln_backward_write_double_vector)(dy + r * stride, x + r * stride, gamma,
@@ -601,6 +625,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_write_rows_floats)(
             FASTLN_ISA(store_f32)(dbeta_acc + i + v * FASTLN_VF_LANES, dbeta[v]);
         }
     }
+    if (n_fetch) FASTLN_NAME(fetch_rows_rest)(dy, x, dx, n_rows, n_fetch, stride, i, width);
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         for (int64_t r = 0; r < n_rows; r++)
             FASTLN_NAME(ln_backward_write_float_vector)(dy + r * stride, x + r * stride, gamma,
@@ -1008,6 +1033,7 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_double)(
         FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i,
                                                FASTLN_STEP / FASTLN_VF_LANES, rows, dgamma_acc,
                                                streaming, stream_dx, n_fetch);
+    if (n_fetch) FASTLN_NAME(fetch_rows_rest)(dy, x, dx, n_rows, n_fetch, stride, i, width);
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_backward_double_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rows,
                                                dgamma_acc, 0, stream_dx, 0);
@@ -1098,6 +1124,7 @@ FASTLN_OUTLINED void FASTLN_NAME(rms_backward_write_rows_float)(
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i,
                                               FASTLN_STEP / FASTLN_VF_LANES, rstd, mean,
                                               dgamma_acc, streaming, stream_dx, n_fetch);
+    if (n_fetch) FASTLN_NAME(fetch_rows_rest)(dy, x, dx, n_rows, n_fetch, stride, i, width);
     for (; i + FASTLN_VF_LANES <= width; i += FASTLN_VF_LANES)
         FASTLN_NAME(rms_backward_float_chunk)(dy, x, gamma, dx, n_rows, stride, i, 1, rstd, mean,
                                               dgamma_acc, 0, stream_dx, 0);

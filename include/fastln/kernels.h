@@ -175,11 +175,13 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
 }
 
 /* How many rows from next_row a backward group's write pass fetches: the next group's (of
- * `group` rows), those of them before task_end, when the call fetches ahead. */
+ * `group` rows), those of them before task_end, when the call fetches ahead. A row taken alone
+ * fetches the next two: the next one alone came too late for its first pass. */
 static inline int64_t fastln_rows_to_fetch(const fastln_rows_call *call, int64_t group,
                                            int64_t next_row, int64_t task_end)
 {
-    return call->fetch_ahead ? fastln_min(group, task_end - next_row) : 0;
+    const int64_t rows = group == 1 ? 2 : group;
+    return call->fetch_ahead ? fastln_min(rows, task_end - next_row) : 0;
 }
 
 /* Column sums (BatchNorm's rows layout, channels-last GroupNorm) read a chunk of columns down a

@@ -242,9 +242,9 @@ def set_default_num_threads(int num_threads):
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
 # (measured faster there; slower in cache, for longer rows and for float64; the same for the
 # half types). A row backward whose dy, x and dx reach BACKWARD_MIN_BYTES_FOR_FETCHING fetches
-# the next group's lines while it writes each group (rows taken alone: only rows of
-# MIN_ROW_BYTES_FETCHED_ALONE and more; docs/performance.md, "The next rows fetched while a
-# group is written"). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING, its
+# the next group's lines while it writes each group (rows taken alone: the next two, for rows
+# of MIN_ROW_BYTES_FETCHED_ALONE and more; docs/performance.md, "Every line of the rows
+# fetched"). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING, its
 # backward dx from inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING, in both layouts (the backward
 # channels last: the float32-compute types; docs/performance.md, "GroupNorm's outputs streamed
 # from smaller calls"). BatchNorm's rows layout streams y (dx) from smaller inputs, of
@@ -264,7 +264,7 @@ cdef enum:
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
     BACKWARD_MIN_BYTES_FOR_FETCHING = 12 * 1024 * 1024
-    MIN_ROW_BYTES_FETCHED_ALONE = 4 * 1024
+    MIN_ROW_BYTES_FETCHED_ALONE = 1536
     BN_MIN_BYTES_FOR_STREAMING = 4 * 1024 * 1024
     GN_MAX_GROUP_BYTES_IN_CACHE = 2 * 1024 * 1024
     GN_MIN_BYTES_FOR_STREAMING = 12 * 1024 * 1024
