@@ -388,21 +388,28 @@ FASTLN_OUTLINED void FASTLN_NAME(ln_backward_write_double)(
             dy, x, gamma, i, &row, dgamma_acc + i, dbeta_acc + i));
 }
 
+/* The line holding element `at` of dy, x and dx fetched into L2: dy and x for a first pass to
+ * come, dx for its writes. */
+FASTLN_INLINE void FASTLN_NAME(fetch_line_at)(const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx,
+                                              int64_t at)
+{
+    __builtin_prefetch(dy + at, 0, 2);
+    __builtin_prefetch(x + at, 0, 2);
+    __builtin_prefetch(dx + at, 1, 2);
+}
+
 /* The lines at columns [i, i + FASTLN_STEP) of n_fetch rows from row first (rows stride
- * elements apart) fetched into L2 as a group's write pass goes: dy and x for the next group's
- * first passes, dx for its writes. Without them the next rows' first pass starts on lines still
- * in memory, its loads stalling while nothing else is on its way (docs/performance.md). */
+ * elements apart) fetched as a group's write pass goes: the next group's. Without them the next
+ * rows' first pass starts on lines still in memory, its loads stalling while nothing else is on
+ * its way (docs/performance.md). */
 FASTLN_INLINE void FASTLN_NAME(fetch_rows_at)(const FASTLN_T *dy, const FASTLN_T *x,
                                               FASTLN_T *dx, int64_t first, int64_t n_fetch,
                                               int64_t stride, int64_t i)
 {
     for (int64_t r = first; r < first + n_fetch; r++) {
         FASTLN_UNROLL
-        for (int64_t k = i; k < i + FASTLN_STEP; k += FASTLN_LINE) {
-            __builtin_prefetch(dy + r * stride + k, 0, 2);
-            __builtin_prefetch(x + r * stride + k, 0, 2);
-            __builtin_prefetch(dx + r * stride + k, 1, 2);
-        }
+        for (int64_t k = i; k < i + FASTLN_STEP; k += FASTLN_LINE)
+            FASTLN_NAME(fetch_line_at)(dy, x, dx, r * stride + k);
     }
 }
 
@@ -416,13 +423,9 @@ FASTLN_INLINE void FASTLN_NAME(fetch_rows_rest)(const FASTLN_T *dy, const FASTLN
 {
     if (width <= 0) return;
     for (int64_t r = first; r < first + n_fetch; r++) {
-        for (int64_t k = i; k < width; k += FASTLN_LINE) {
-            __builtin_prefetch(dy + r * stride + k, 0, 2);
-            __builtin_prefetch(x + r * stride + k, 0, 2);
-            __builtin_prefetch(dx + r * stride + k, 1, 2);
-        }
-        __builtin_prefetch(dy + r * stride + width - 1, 0, 2);
-        __builtin_prefetch(x + r * stride + width - 1, 0, 2);
+        for (int64_t k = i; k < width; k += FASTLN_LINE)
+            FASTLN_NAME(fetch_line_at)(dy, x, dx, r * stride + k);
+        FASTLN_NAME(fetch_line_at)(dy, x, dx, r * stride + width - 1);
     }
 }
 

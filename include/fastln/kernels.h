@@ -174,13 +174,13 @@ static inline int64_t fastln_row_blocks(int64_t n_rows)
     return fastln_min(fastln_max(n_rows / FASTLN_MIN_ROWS_PER_BLOCK, 1), FASTLN_MAX_BLOCKS);
 }
 
-/* How many rows from next_row a backward group's write pass fetches: the next group's (of
- * `group` rows), those of them before task_end, when the call fetches ahead. A row taken alone
- * fetches the next two: the next one alone came too late for its first pass. */
+/* How many rows from next_row a backward group's write pass fetches, when the call fetches
+ * ahead: the next group's (of `group` rows), or with rows taken alone the next two (the next
+ * one alone came too late for its first pass); those of them before task_end. */
 static inline int64_t fastln_rows_to_fetch(const fastln_rows_call *call, int64_t group,
                                            int64_t next_row, int64_t task_end)
 {
-    const int64_t rows = group == 1 ? 2 : group;
+    const int64_t rows = call->rows_alone ? 2 : group;
     return call->fetch_ahead ? fastln_min(rows, task_end - next_row) : 0;
 }
 
