@@ -388,96 +388,21 @@ def rms_norm_backward(dy, cache, gamma=None, *, out=None, num_threads=None):
 # The caches are the plain LayerNorm / RMSNorm caches of s, so the ordinary backwards apply.
 # ---------------------------------------------------------------------------------------------
 
-_SHARED_DOC = """
-    ``s = x + residual + bias`` is computed in float64 and rounded once to the output dtype (for
-    float32 without bias that is exactly NumPy's ``x + residual``), and y is bitwise what the
-    unfused normalization of that s gives. The output dtype is x's (see
-    :func:`fastln.layer_norm`); residual and bias are cast to it. For float16/bfloat16 x, s is
-    rounded to float32 and then to x's format (for float16 without bias exactly NumPy's
-    ``x + residual``, which adds in float32), residual is cast to x's format and gamma, beta and
-    bias to float32.
-
-    Parameters
-    ----------
-    x : array_like
-        The sublayer output (float32/float64 as they are; integer and bool as float64).
-    residual : array_like of x's shape
-        The residual stream. Not broadcast: it must have exactly x's shape.
-    {params}
-    bias : array_like of shape ``x.shape[axis:]``, optional
-        Added to the sum before normalizing (the sublayer's bias folded in).
-    axis : int, default -1
-        The first normalized axis.
-    out : ndarray, optional
-        Buffer for y: C-contiguous, shape ``x.shape``, the output dtype. May be x or residual.
-    sum_out : ndarray, optional
-        Buffer for s, with the same rules. May be ``residual`` itself (the in-place
-        residual-stream update) or x; must not overlap ``out``.
-    num_threads : int, optional
-        OpenMP threads; None uses OpenMP's default. Results are identical for every value.
-"""
-
-_GRADIENT_DOC = """
-    Gradients: s feeds y (and whatever uses s downstream), and ``ds/dx = ds/dresidual = 1``. So
-    with ``ds`` the gradient :func:`{backward}` returns for the cache (plus any gradient flowing
-    into s directly), ``dx = dresidual = ds`` and ``dbias = ds`` summed over ``x.shape[:axis]``.
-"""
-
-
+@shares_docs
 def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1, out=None,
                    sum_out=None, num_threads=None):
-    result = _kernels.row_norm_forward_fast(_kernels.ADD_LAYER_NORM, x, residual, gamma, beta,
-                                            bias, eps, axis, out, sum_out, num_threads, False)
-    if result is not None:
-        return result[:2]
-    return _forward("add_layer_norm", x, residual, gamma, beta, bias, eps, axis, out, sum_out,
-                    num_threads, keep_cache=False)
+    """Fused residual add + LayerNorm: ``s = x + residual (+ bias)``,
+    ``y = layer_norm(s, gamma, beta, eps)``, in one pass (pre-norm transformer inference).
 
+    {add_sum}
 
-def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
-                           out=None, sum_out=None, num_threads=None):
-    result = _kernels.row_norm_forward_fast(_kernels.ADD_LAYER_NORM, x, residual, gamma, beta,
-                                            bias, eps, axis, out, sum_out, num_threads, True)
-    if result is not None:
-        y, s, mean, rstd = result
-        return y, s, LayerNormCache(s, mean, rstd, x.ndim - 1, eps, x.dtype)
-    return _forward("add_layer_norm", x, residual, gamma, beta, bias, eps, axis, out, sum_out,
-                    num_threads, keep_cache=True)
-
-
-def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
-                 sum_out=None, num_threads=None):
-    result = _kernels.row_norm_forward_fast(_kernels.ADD_RMS_NORM, x, residual, gamma, None,
-                                            bias, eps, axis, out, sum_out, num_threads, False)
-    if result is not None:
-        return result[:2]
-    return _forward("add_rms_norm", x, residual, gamma, None, bias, eps, axis, out, sum_out,
-                    num_threads, keep_cache=False)
-
-
-def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
-                         sum_out=None, num_threads=None):
-    result = _kernels.row_norm_forward_fast(_kernels.ADD_RMS_NORM, x, residual, gamma, None,
-                                            bias, eps, axis, out, sum_out, num_threads, True)
-    if result is not None:
-        y, s, _, rstd = result
-        return y, s, RMSNormCache(s, rstd, x.ndim - 1, eps, x.dtype)
-    return _forward("add_rms_norm", x, residual, gamma, None, bias, eps, axis, out, sum_out,
-                    num_threads, keep_cache=True)
-
-
-_LN_PARAMS = """gamma, beta : array_like of shape ``x.shape[axis:]``, optional
+    {add_inputs}
+    gamma, beta : array_like of shape ``x.shape[axis:]``, optional
         Scale and shift of the LayerNorm, cast to the output dtype; None means ones and zeros.
     eps : float, default 1e-5
-        Added to the variance; a finite number >= 0."""
-_RMS_PARAMS = """gamma : array_like of shape ``x.shape[axis:]``, optional
-        Scale of the RMSNorm, cast to the output dtype; None means ones.
-    eps : float, default 1e-5
-        Added to the mean of squares; a finite number >= 0."""
+        Added to the variance; a finite number >= 0.
+    {add_outputs}
 
-add_layer_norm.__doc__ = """Fused residual add + LayerNorm: ``s = x + residual (+ bias)``,
-    ``y = layer_norm(s, gamma, beta, eps)``, in one pass (pre-norm transformer inference).
-""" + _SHARED_DOC.format(params=_LN_PARAMS) + """
     Returns
     -------
     y : ndarray of x's shape (``out`` when given)
@@ -490,8 +415,17 @@ add_layer_norm.__doc__ = """Fused residual add + LayerNorm: ``s = x + residual (
     >>> s, y.round(4)
     (array([10., 20., 60.]), array([-0.9258, -0.4629,  1.3887]))
     """
+    result = _kernels.row_norm_forward_fast(_kernels.ADD_LAYER_NORM, x, residual, gamma, beta,
+                                            bias, eps, axis, out, sum_out, num_threads, False)
+    if result is not None:
+        return result[:2]
+    return _forward("add_layer_norm", x, residual, gamma, beta, bias, eps, axis, out, sum_out,
+                    num_threads, keep_cache=False)
 
-add_layer_norm_forward.__doc__ = """Like :func:`add_layer_norm`, and also returns a cache for
+
+def add_layer_norm_forward(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, axis=-1,
+                           out=None, sum_out=None, num_threads=None):
+    """Like :func:`add_layer_norm`, and also returns a cache for
     :func:`fastln.layer_norm_backward`.
 
     Returns
@@ -501,7 +435,12 @@ add_layer_norm_forward.__doc__ = """Like :func:`add_layer_norm`, and also return
         The LayerNorm cache of s (``cache.x is s``): pass it to
         :func:`fastln.layer_norm_backward`. It refers to s without copying it, so s (which may
         be ``residual`` when ``sum_out=residual``) must not be modified before the backward.
-""" + _GRADIENT_DOC.format(backward="fastln.layer_norm_backward") + """
+
+    Gradients: s feeds y (and whatever uses s downstream), and ``ds/dx = ds/dresidual = 1``. So
+    with ``ds`` the gradient :func:`fastln.layer_norm_backward` returns for the cache (plus any
+    gradient flowing into s directly), ``dx = dresidual = ds`` and ``dbias = ds`` summed over
+    ``x.shape[:axis]``.
+
     Examples
     --------
     >>> import numpy as np, fastln
@@ -511,10 +450,30 @@ add_layer_norm_forward.__doc__ = """Like :func:`add_layer_norm`, and also return
     >>> cache.x is s, cache.mean
     (True, array([30.]))
     """
+    result = _kernels.row_norm_forward_fast(_kernels.ADD_LAYER_NORM, x, residual, gamma, beta,
+                                            bias, eps, axis, out, sum_out, num_threads, True)
+    if result is not None:
+        y, s, mean, rstd = result
+        return y, s, LayerNormCache(s, mean, rstd, x.ndim - 1, eps, x.dtype)
+    return _forward("add_layer_norm", x, residual, gamma, beta, bias, eps, axis, out, sum_out,
+                    num_threads, keep_cache=True)
 
-add_rms_norm.__doc__ = """Fused residual add + RMSNorm: ``s = x + residual (+ bias)``,
+
+@shares_docs
+def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                 sum_out=None, num_threads=None):
+    """Fused residual add + RMSNorm: ``s = x + residual (+ bias)``,
     ``y = rms_norm(s, gamma, eps)``, in one pass (pre-norm transformer inference).
-""" + _SHARED_DOC.format(params=_RMS_PARAMS) + """
+
+    {add_sum}
+
+    {add_inputs}
+    gamma : array_like of shape ``x.shape[axis:]``, optional
+        Scale of the RMSNorm, cast to the output dtype; None means ones.
+    eps : float, default 1e-5
+        Added to the mean of squares; a finite number >= 0.
+    {add_outputs}
+
     Returns
     -------
     y : ndarray of x's shape (``out`` when given)
@@ -528,8 +487,17 @@ add_rms_norm.__doc__ = """Fused residual add + RMSNorm: ``s = x + residual (+ bi
     >>> stream, y.round(4)                 # the residual stream updated in place
     (array([[3., 4.]]), array([[0.8485, 1.1314]]))
     """
+    result = _kernels.row_norm_forward_fast(_kernels.ADD_RMS_NORM, x, residual, gamma, None,
+                                            bias, eps, axis, out, sum_out, num_threads, False)
+    if result is not None:
+        return result[:2]
+    return _forward("add_rms_norm", x, residual, gamma, None, bias, eps, axis, out, sum_out,
+                    num_threads, keep_cache=False)
 
-add_rms_norm_forward.__doc__ = """Like :func:`add_rms_norm`, and also returns a cache for
+
+def add_rms_norm_forward(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=None,
+                         sum_out=None, num_threads=None):
+    """Like :func:`add_rms_norm`, and also returns a cache for
     :func:`fastln.rms_norm_backward`.
 
     Returns
@@ -538,7 +506,12 @@ add_rms_norm_forward.__doc__ = """Like :func:`add_rms_norm`, and also returns a 
     cache : RMSNormCache
         The RMSNorm cache of s (``cache.x is s``): pass it to :func:`fastln.rms_norm_backward`.
         It refers to s without copying it, so s must not be modified before the backward.
-""" + _GRADIENT_DOC.format(backward="fastln.rms_norm_backward") + """
+
+    Gradients: s feeds y (and whatever uses s downstream), and ``ds/dx = ds/dresidual = 1``. So
+    with ``ds`` the gradient :func:`fastln.rms_norm_backward` returns for the cache (plus any
+    gradient flowing into s directly), ``dx = dresidual = ds`` and ``dbias = ds`` summed over
+    ``x.shape[:axis]``.
+
     Examples
     --------
     >>> import numpy as np, fastln
@@ -547,3 +520,10 @@ add_rms_norm_forward.__doc__ = """Like :func:`add_rms_norm`, and also returns a 
     >>> s, cache.rstd.round(6)
     (array([[3., 4.]]), array([0.282843]))
     """
+    result = _kernels.row_norm_forward_fast(_kernels.ADD_RMS_NORM, x, residual, gamma, None,
+                                            bias, eps, axis, out, sum_out, num_threads, True)
+    if result is not None:
+        y, s, _, rstd = result
+        return y, s, RMSNormCache(s, rstd, x.ndim - 1, eps, x.dtype)
+    return _forward("add_rms_norm", x, residual, gamma, None, bias, eps, axis, out, sum_out,
+                    num_threads, keep_cache=True)
