@@ -148,10 +148,18 @@ def _under_transform() -> bool:
     return _current_transform_level() is not None
 
 
+def _is_view_of(array: Optional[np.ndarray], tensor: Optional[torch.Tensor]) -> bool:
+    """Whether array reads tensor's own memory (not a copy _to_numpy had to make)."""
+    return array is None or array.__array_interface__["data"][0] == tensor.data_ptr()
+
+
 class _ParameterViews:
     """NumPy views of a module's weight and bias, kept between calls: converting them costs
     more than a small call's kernel. Renewed when a parameter is replaced or its storage is
     (``module.to(...)``, ``param.data = ...``); in-place updates are seen through the view.
+    A parameter that _to_numpy has to copy (not contiguous, a lazy negation, bfloat16 without
+    ml_dtypes) is converted again on every call: a kept copy would miss in-place updates, and
+    ``param.data.mul_(...)`` changes neither the pointer nor the version counter.
     get() returns None for parameters fastln cannot read (another device or dtype)."""
 
     __slots__ = ("weight", "bias", "weight_ptr", "bias_ptr", "arrays")
@@ -168,10 +176,16 @@ class _ParameterViews:
         if (weight_ptr == self.weight_ptr and bias_ptr == self.bias_ptr
                 and weight is self.weight and bias is self.bias):
             return self.arrays
-        self.weight, self.bias, self.weight_ptr, self.bias_ptr = weight, bias, weight_ptr, bias_ptr
         readable = all(p is None or _handles(p) for p in (weight, bias))
-        self.arrays = (_to_numpy(weight), _to_numpy(bias)) if readable else None
-        return self.arrays
+        arrays = (_to_numpy(weight), _to_numpy(bias)) if readable else None
+        if arrays is None or (_is_view_of(arrays[0], weight) and _is_view_of(arrays[1], bias)):
+            self.weight, self.bias = weight, bias
+            self.weight_ptr, self.bias_ptr = weight_ptr, bias_ptr
+            self.arrays = arrays
+        else:  # copies: nothing kept, so the next call converts the parameters again
+            self.weight = self.bias = self.weight_ptr = self.bias_ptr = None
+            self.arrays = (None, None)
+        return arrays
 
 
 def _module_views(module: torch.nn.Module) -> _ParameterViews:
