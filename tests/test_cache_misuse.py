@@ -16,7 +16,7 @@ import pytest
 
 import fastln
 import fastln.reference as ref
-from conftest import Snapshot, assert_close
+from conftest import HALF, Snapshot, assert_close
 
 IMPLS = {"fastln": fastln, "reference": ref}
 # A test's `module`: fastln, then the reference (ids "fastln", "reference").
@@ -119,6 +119,25 @@ def test_dy_with_the_right_dtype_in_another_byte_order_or_layout_works(module, o
                     dy[::-1][::-1]):
         for got, want in zip(getattr(module, backward)(variant, cache), expected):
             assert_close(got, want)
+
+
+@each_implementation
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_cache_built_without_dtype_for_half_x_is_refused_in_every_layout(module, op, dtype):
+    """A cache built by hand without a dtype has its statistics' (float32): not a float16 or
+    bfloat16 x's own. Refused whatever dy's layout, which decides only which path checks it."""
+    x, dy = _inputs(np.float32)
+    x, dy = x.astype(dtype), dy.astype(dtype)
+    cache, backward = _forward(module, op, x)
+    fields = (x, cache.rstd) if op == "rms_norm" else (x, cache.mean, cache.rstd)
+    built = (fastln.RMSNormCache if op == "rms_norm" else fastln.LayerNormCache)(
+        *fields, 1, cache.eps)
+    wider = np.zeros((SHAPE[0], 2 * SHAPE[1]), dtype)
+    wider[:, ::2] = dy
+    for variant in (dy, wider[:, ::2]):
+        _assert_refused(getattr(module, backward), variant, built, ValueError,
+                        ["cache.dtype", "float32"])
 
 
 # --------------------------------------------------------------------------------------------

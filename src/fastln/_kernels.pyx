@@ -988,10 +988,12 @@ cdef inline bint _is_row_stats(object value, int typenum, cnp.ndarray x):
 
 
 cdef inline bint _is_cache_dtype(object dtype, cnp.ndarray x):
-    """A cache's _dtype field for x: None (a cache built by hand; y's dtype is then the
-    statistics', which _is_row_stats checks) or x's own dtype, as fastln's forwards record it."""
+    """A cache's _dtype field for x: x's own dtype, as fastln's forwards record it, or None (a
+    cache built by hand, whose dtype is then its statistics', float32 or float64 as
+    _is_row_stats checks: x's own only when x is float32 or float64; for half-precision x the
+    general path refuses the cache)."""
     if dtype is None:
-        return True
+        return cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT64
     return (cnp.PyArray_DescrCheck(dtype)
             and cnp.PyArray_EquivTypes(<cnp.dtype>dtype, <cnp.dtype>cnp.PyArray_DESCR(x)))
 
