@@ -171,6 +171,23 @@ def test_running_statistics_any_float_dtype_and_strides(rng, running_dtype):
     assert np.all(base_mean[1::2] == 0) and np.all(base_var[1::2] == 1)
 
 
+@pytest.mark.parametrize("module", [fastln, reference], ids=["fastln", "reference"])
+@pytest.mark.parametrize("training", [True, False])
+def test_bfloat16_running_statistics(module, training):
+    """bfloat16 running statistics are read as the values they are and, in training, updated
+    in place (the float64 update rounded once to bfloat16), as float16 ones are."""
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
+    x = random_input(np.random.default_rng(1), (25, 5), np.float32)
+    halves = np.array([0.5, -1.0, 2.0, 3.0, 0.25], bfloat16), np.array([1, 2, 3, 4, 5], bfloat16)
+    doubles = tuple(a.astype(np.float64) for a in halves)
+    y = module.batch_norm(x, running_mean=halves[0], running_var=halves[1], training=training)
+    y64 = module.batch_norm(x, running_mean=doubles[0], running_var=doubles[1],
+                            training=training)
+    assert_bitwise_equal(y, y64)
+    for half, double in zip(halves, doubles):
+        assert_bitwise_equal(half, double.astype(bfloat16))
+
+
 def test_eval_mode_accepts_array_likes():
     x = np.arange(6.0).reshape(3, 2)
     y = fastln.batch_norm(x, running_mean=[1, 2], running_var=[4, 9], eps=0.0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fastln.nn as nn
+from conftest import HALF
 
 try:
     import torch
@@ -333,6 +334,23 @@ def test_inputs_are_converted_to_the_layers_dtype():
     assert nn.RMSNorm(3, dtype=None).dtype == np.float32  # None: the default, as in torch
     with pytest.raises(TypeError, match="x has dtype complex128"):
         layer(np.ones((1, 3), complex))
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(4), lambda: nn.RMSNorm(4),
+                                  lambda: nn.BatchNorm(4), lambda: nn.GroupNorm(1, 3),
+                                  lambda: nn.InstanceNorm(3)],
+                         ids=["LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm", "InstanceNorm"])
+def test_half_inputs_are_converted_like_any_other(make, half):
+    """float16 and bfloat16 x and dy are converted to the layer's dtype, as integers are: the
+    same results as their float32 values (every half value is one)."""
+    rng = np.random.default_rng(0)
+    x, dy = (rng.standard_normal((5, 3, 4)).astype(half) for _ in range(2))
+    layer, twin = make(), make()
+    y, y32 = layer(x), twin(x.astype(np.float32))
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y, y32)
+    np.testing.assert_array_equal(layer.backward(dy), twin.backward(dy.astype(np.float32)))
 
 
 def test_input_shape_is_checked_against_the_layer():

@@ -339,15 +339,15 @@ def check_running(running, name, n_features, training):
     """running_mean / running_var: shape (x.shape[axis],).
 
     In training mode they are updated in place, so they must be writeable ndarrays of a real
-    floating dtype (any strides and byte order). In evaluation mode they are only read: any real
-    array_like. Returns the array to update (training) or a float64 copy (evaluation).
+    floating dtype, ml_dtypes' bfloat16 included (any strides and byte order). In evaluation
+    mode they are only read: any real array_like. Returns the array to update (training) or a float64 copy (evaluation).
     """
     if training and not issubclass(type(running), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray (it is updated in place in training "
                         f"mode), got {type(running).__name__}")
     array = as_array(running, name)
     kinds = "f" if training else "biuf"
-    if array.dtype.kind not in kinds:
+    if array.dtype.kind not in kinds and not is_bfloat16(array.dtype):
         expected = ("a real floating dtype (it is updated in place)" if training
                     else "a real floating, integer or bool dtype")
         raise TypeError(f"{name} has dtype {_describe_dtype(array.dtype)}; expected {expected}")

@@ -247,7 +247,7 @@ class _Layer:
     def _as_input(self, array, name):
         """array (x or dy) in the layer's dtype; no copy when it has it already."""
         array = as_array(array, name)
-        if array.dtype.kind not in "biuf":
+        if array.dtype.kind not in "biuf" and not is_bfloat16(array.dtype):
             raise TypeError(f"{name} has dtype {array.dtype}; expected a real floating, integer "
                             f"or bool array (it is converted to the layer's {self.dtype.name})")
         if array.dtype != self.dtype:
