@@ -402,6 +402,141 @@ def test_parameters_that_are_copied_follow_in_place_updates(kind):
         check()
 
 
+def _module_and_input(kind):
+    torch.manual_seed(0)
+    if kind == "layer_norm":
+        module, x = ft.LayerNorm(8), torch.randn(3, 8)
+    elif kind == "rms_norm":
+        module, x = ft.RMSNorm(8), torch.randn(3, 8)
+    else:
+        module, x = ft.GroupNorm(2, 8), torch.randn(3, 8, 5)
+    with torch.no_grad():
+        module.weight.normal_()
+        if kind != "rms_norm":
+            module.bias.normal_()
+    return module, x
+
+
+def _torch_reference(kind, module, x, weight, bias):
+    """PyTorch's own function of the module's kind, in float64, as float32."""
+    x64 = x.double()
+    weight = None if weight is None else weight.double()
+    bias = None if bias is None else bias.double()
+    if kind == "layer_norm":
+        y = torch.nn.functional.layer_norm(x64, (8,), weight, bias, module.eps)
+    elif kind == "rms_norm":
+        y = torch.nn.functional.rms_norm(x64, (8,), weight, module.eps)
+    else:
+        y = torch.nn.functional.group_norm(x64, 2, weight, bias, module.eps)
+    return y.float()
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
+@pytest.mark.parametrize("how", ["prune", "parametrize", "weight_norm"])
+def test_parametrized_weights_are_used(kind, how):
+    """prune, parametrize and weight_norm take the weight out of _parameters and compute it:
+    forward and the gradients of the real parameters must use the computed weight."""
+    import torch.nn.utils.parametrize
+    import torch.nn.utils.prune
+
+    module, x = _module_and_input(kind)
+    if how == "prune":
+        torch.nn.utils.prune.l1_unstructured(module, "weight", amount=0.5)
+        real = module.weight_orig
+    elif how == "parametrize":
+        class Doubled(torch.nn.Module):
+            def forward(self, weight):
+                return 2.0 * weight
+        torch.nn.utils.parametrize.register_parametrization(module, "weight", Doubled())
+        real = module.parametrizations.weight.original
+    else:
+        with pytest.warns(FutureWarning):
+            torch.nn.utils.weight_norm(module, "weight", dim=0)
+        real = module.weight_v
+    bias = None if kind == "rms_norm" else module.bias
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            y = module(x)
+            exact = _torch_reference(kind, module, x, module.weight, bias).detach()
+            torch.testing.assert_close(y.detach(), exact, rtol=0, atol=1e-5)
+    y.square().sum().backward()
+    reference = real.detach().clone().requires_grad_(True)
+    theirs = {"prune": lambda w: w * module.weight_mask, "parametrize": lambda w: 2.0 * w,
+              "weight_norm": lambda v: torch._weight_norm(v, module.weight_g.detach(), 0)}[how]
+    # float32 gradients against the float64 function's: within float32's rounding
+    bias = None if bias is None else bias.detach()
+    _torch_reference(kind, module, x, theirs(reference), bias).double().square().sum().backward()
+    torch.testing.assert_close(real.grad, reference.grad.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
+def test_tracing_records_pytorch_ops_not_a_constant(kind):
+    """torch.jit.trace (also under no_grad, where the inference shortcut would otherwise run)
+    must record a graph that computes from its input: fastln hands traced calls to PyTorch."""
+    module, x = _module_and_input(kind)
+    other = 3.0 * torch.randn_like(x) + 1.0
+    module.eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(module, (x,))
+        torch.testing.assert_close(traced(other), module(other), rtol=1e-5, atol=1e-5)
+    traced = torch.jit.trace(module, (x,), check_trace=False)
+    torch.testing.assert_close(traced(other).detach(), module(other).detach(), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
+def test_fx_tracing_and_tensor_subclasses_go_to_pytorch(kind):
+    module, x = _module_and_input(kind)
+    graph_module = torch.fx.symbolic_trace(module)
+    torch.testing.assert_close(graph_module(x).detach(), module(x).detach())
+
+    class Logged(torch.Tensor):
+        calls = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            Logged.calls += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            Logged.calls = 0
+            y = module(x.as_subclass(Logged))
+            assert type(y) is Logged and Logged.calls > 0  # as torch.nn's modules do
+            torch.testing.assert_close(y.as_subclass(torch.Tensor).detach(), module(x).detach())
+
+
+def test_group_norm_of_a_transposed_3d_input_is_contiguous():
+    """PyTorch has no channels-last format for 3-D tensors and returns their result
+    contiguous; so does fastln (a (N, L, C) tensor transposed is not computed in place)."""
+    x = torch.randn(2, 5, 6).transpose(1, 2)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            y = ft.GroupNorm(3, 6)(x)
+            assert y.is_contiguous()
+            torch.testing.assert_close(y.view(2, -1).detach(),
+                                       torch.nn.GroupNorm(3, 6)(x).view(2, -1).detach())
+    x4 = torch.randn(2, 6, 3, 4).contiguous(memory_format=torch.channels_last)
+    assert ft.GroupNorm(3, 6)(x4).is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: ft.LayerNorm(0), (3, 0)), (lambda: ft.RMSNorm(0), (3, 0)),
+    (lambda: ft.GroupNorm(2, 4), (2, 4, 0)), (lambda: ft.LayerNorm(4), (0, 4)),
+], ids=["layer_norm-empty-row", "rms_norm-empty-row", "group_norm-empty-group",
+        "layer_norm-empty-batch"])
+def test_empty_inputs_give_empty_results_as_in_pytorch(make, shape):
+    module = make()
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            x = torch.randn(shape, requires_grad=grad)
+            y = module(x)
+            assert y.shape == x.shape
+            if grad:
+                y.sum().backward()
+                assert x.grad.shape == x.shape
+
+
 def test_rms_module_views_and_training_step():
     norm = ft.RMSNorm(8, eps=1e-6)
     reference = torch.nn.RMSNorm(8, eps=1e-6)

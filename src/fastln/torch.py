@@ -25,7 +25,13 @@ later) and is only imported when asked for::
   (else computed via a float32 copy). Non-contiguous tensors are made contiguous first (one
   explicit copy), as are lazy negations (``torch._neg_view``).
   Tensors on other devices (CUDA, MPS, ...) and other dtypes go to PyTorch's own functional
-  implementation, so a patched model still runs everywhere.
+  implementation, so a patched model still runs everywhere; so do empty tensors, tensor
+  subclasses (FakeTensor under ``torch.export``, a ``__torch_function__`` of one's own, which
+  then sees the call), torch.fx's proxies (``symbolic_trace``) and calls inside a TorchScript
+  trace (``torch.jit.trace``, the TorchScript ONNX exporter), which record PyTorch's
+  operations instead of fastln's result as a constant.
+- **Parameters**: ``weight`` and ``bias`` as PyTorch's modules use them, also when a
+  parametrization computes them (``torch.nn.utils.parametrize``, ``prune``, ``weight_norm``).
 - **Autograd**: the backward is fastln's (x, gamma and beta gradients in one pass), with the
   forward's input saved through ``ctx.save_for_backward``, so modifying it in place before the
   backward is detected by PyTorch as usual. ``torch.autograd.gradcheck`` passes in float64.
@@ -100,9 +106,20 @@ _global_backward_hooks = _torch_module._global_backward_hooks
 _global_backward_pre_hooks = _torch_module._global_backward_pre_hooks
 
 
+# Tensor types fastln reads: PyTorch's own. Subclasses (FakeTensor under torch.export, those
+# with a __torch_function__ of their own) and torch.fx's proxies go to PyTorch's functions,
+# which dispatch them as they expect.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _handles(tensor: torch.Tensor) -> bool:
-    """Whether fastln computes this tensor (else PyTorch's own implementation does)."""
-    return tensor.is_cpu and tensor.dtype in _HANDLED_DTYPES
+    """Whether fastln computes this tensor (else PyTorch's own implementation does): a plain
+    CPU tensor of a dtype fastln has, not empty (PyTorch returns an empty result where fastln
+    refuses an empty normalized shape), outside a TorchScript trace (which would record
+    fastln's result as a constant of the graph: torch.jit.trace, the TorchScript ONNX
+    exporter)."""
+    return (type(tensor) in _PLAIN_TENSORS and tensor.is_cpu and tensor.dtype in _HANDLED_DTYPES
+            and tensor.numel() > 0 and _tracing_state() is None)
 
 
 @overload
@@ -186,6 +203,17 @@ class _ParameterViews:
             self.weight = self.bias = self.weight_ptr = self.bias_ptr = None
             self.arrays = (None, None)
         return arrays
+
+
+def _parameter(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    """A module's weight or bias as its forward must use it: from _parameters (a dict lookup,
+    cheaper than Module.__getattr__), else the attribute, which a parametrization
+    (torch.nn.utils.parametrize, prune, weight_norm) computes after taking the name out of
+    _parameters."""
+    parameters = module._parameters
+    if name in parameters:
+        return parameters[name]
+    return getattr(module, name, None)
 
 
 def _module_views(module: torch.nn.Module) -> _ParameterViews:
@@ -381,9 +409,11 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def _channels_last_view(input: torch.Tensor) -> Optional[torch.Tensor]:
-    """An (N, C, *spatial) tensor stored channels last (``torch.channels_last``), as the
-    contiguous (N, *spatial, C) tensor on the same memory; None for any other layout."""
-    if input.dim() < 3 or input.is_contiguous():
+    """An (N, C, H, W) or (N, C, D, H, W) tensor stored channels last (``torch.channels_last``,
+    ``torch.channels_last_3d``), as the contiguous (N, *spatial, C) tensor on the same memory;
+    None for any other layout. PyTorch has no channels-last format for other ranks, and returns
+    their results contiguous: so does the NCHW path, which copies such an input first."""
+    if input.dim() not in (4, 5) or input.is_contiguous():
         return None
     moved = input.movedim(1, -1)
     return moved if moved.is_contiguous() else None
@@ -533,10 +563,10 @@ def rms_norm(input: torch.Tensor, normalized_shape: _ShapeLike,
     >>> fastln.torch.rms_norm(torch.tensor([3.0, 4.0]), (2,), eps=0.0)
     tensor([0.8485, 1.1314])
     """
-    if eps is None:
-        eps = torch.finfo(input.dtype).eps
     if _under_transform() or not (_handles(input) and (weight is None or _handles(weight))):
         return F.rms_norm(input, _shape_list(normalized_shape), weight, eps)
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps
     n_axes = _normalized_ndim(input, normalized_shape)
     return _rms_norm(input, n_axes, weight, _to_numpy(weight), eps, num_threads)
 
@@ -574,6 +604,7 @@ class _InferenceShortcut:
     wrappers), takes Module.__call__ and forward."""
 
     _fastln_op: int
+    _fastln_parameters: tuple[str, ...]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         d = self.__dict__
@@ -588,10 +619,13 @@ class _InferenceShortcut:
             if eps is None and type(input) is torch.Tensor:  # RMSNorm's default, as in PyTorch
                 eps = torch.finfo(input.dtype).eps
             # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
+            # A parametrized one is not there (forward computes it: _parameter).
             parameters = d["_parameters"]
             arrays = (d.get("_fastln_views") or _module_views(self)).get(
                 parameters.get("weight"), parameters.get("bias"))
-            if eps is not None and arrays is not None:
+            names = self._fastln_parameters
+            if (eps is not None and arrays is not None and names[0] in parameters
+                    and names[-1] in parameters):
                 result = _forward_tensor(self._fastln_op, input, shape[0], arrays[0], arrays[1],
                                          eps, self.num_threads)
                 if result is not None:
@@ -630,12 +664,13 @@ class LayerNorm(_InferenceShortcut, torch.nn.LayerNorm):
         self.num_threads = num_threads
 
     _fastln_op = _LAYER_NORM
+    _fastln_parameters = ("weight", "bias")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Inference calls without hooks came through _InferenceShortcut.__call__; the others
         # (and direct forward calls) take the general path, whose inference shortcut is the same.
-        parameters, shape = self._parameters, self.normalized_shape
-        weight, bias = parameters.get("weight"), parameters.get("bias")
+        shape = self.normalized_shape
+        weight, bias = _parameter(self, "weight"), _parameter(self, "bias")
         if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
             arrays = _module_views(self).get(weight, bias)
@@ -678,17 +713,18 @@ class RMSNorm(_InferenceShortcut, torch.nn.RMSNorm):
         self.num_threads = num_threads
 
     _fastln_op = _RMS_NORM
+    _fastln_parameters = ("weight",)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # As LayerNorm.forward.
-        weight, shape = self._parameters.get("weight"), self.normalized_shape
-        eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
+        weight, shape = _parameter(self, "weight"), self.normalized_shape
         if (_current_transform_level() is None and _handles(input)
                 and _trailing_shape_is(input, shape)):
             arrays = _module_views(self).get(weight, None)
             if arrays is not None:
+                eps = torch.finfo(input.dtype).eps if self.eps is None else self.eps
                 return _rms_norm(input, len(shape), weight, arrays[0], eps, self.num_threads)
-        return rms_norm(input, shape, weight, eps, num_threads=self.num_threads)
+        return rms_norm(input, shape, weight, self.eps, num_threads=self.num_threads)
 
     def __getstate__(self) -> dict:
         # The NumPy views are a cache of this process: not pickled, not deep-copied.
@@ -727,7 +763,7 @@ class GroupNorm(torch.nn.GroupNorm):
         self.num_threads = num_threads
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
+        weight, bias = _parameter(self, "weight"), _parameter(self, "bias")
         if (_current_transform_level() is None and _handles(input) and input.dim() >= 2
                 and input.shape[1] == self.num_channels):
             arrays = _module_views(self).get(weight, bias)
