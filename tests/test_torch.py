@@ -146,6 +146,19 @@ def test_patch_selects_kinds_and_leaves_subclasses_alone():
     assert model[0].num_threads == 1
 
 
+def test_patch_again_sets_the_threads_of_patched_layers_and_checks_them():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.GroupNorm(2, 4))
+    ft.patch(model)
+    ft.patch(model, num_threads=2)
+    assert [m.num_threads for m in model] == [2, 2]
+    ft.patch(model, group_norm=False, num_threads=1)
+    assert [m.num_threads for m in model] == [1, 2]
+    for bad in (0, -1, 2.5, "2", True):
+        with pytest.raises(ValueError, match="num_threads"):
+            ft.patch(model, num_threads=bad)
+    assert [m.num_threads for m in model] == [1, 2]
+
+
 def _address(array):
     return array.__array_interface__["data"][0]
 

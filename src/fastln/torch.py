@@ -69,6 +69,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 
 import fastln
 from fastln import _kernels
+from fastln._checks import check_num_threads
 
 __all__ = ["GroupNorm", "LayerNorm", "RMSNorm", "group_norm", "layer_norm", "rms_norm",
            "patch", "unpatch"]
@@ -798,12 +799,18 @@ def patch(model: torch.nn.Module, *, layer_norm: bool = True, rms_norm: bool = T
     layer_norm, rms_norm, group_norm : bool, default True
         Which kinds of layer to swap.
     num_threads : int, optional
-        fastln's threads for the swapped layers; None uses ``fastln.get_num_threads()``.
+        fastln's threads for the swapped layers (and for those of these kinds that an earlier
+        patch swapped); None uses ``fastln.get_num_threads()``.
 
     Returns
     -------
     model : torch.nn.Module
         The same object, for chaining. :func:`unpatch` undoes the swap.
+
+    Raises
+    ------
+    ValueError
+        num_threads is not None or a positive int.
 
     Examples
     --------
@@ -813,12 +820,16 @@ def patch(model: torch.nn.Module, *, layer_norm: bool = True, rms_norm: bool = T
     >>> type(model[1]).__module__, type(model[1]).__name__
     ('fastln.torch', 'LayerNorm')
     """
+    num_threads = check_num_threads(num_threads)
     kinds = {torch.nn.LayerNorm: layer_norm, torch.nn.RMSNorm: rms_norm,
              torch.nn.GroupNorm: group_norm}
+    plain = {swap: original for original, swap in _SWAPS.items()}
     for module in model.modules():
         swap = _SWAPS.get(type(module))
         if swap is not None and kinds[type(module)]:
             module.__class__ = swap
+            setattr(module, "num_threads", num_threads)
+        elif type(module) in plain and kinds[plain[type(module)]]:  # patched before
             setattr(module, "num_threads", num_threads)
     return model
 
