@@ -118,6 +118,13 @@ def test_errors_are_raised_before_computing(rng):
         fd.layer_norm(da.zeros((4, 0), chunks=(2, 0)))
     with pytest.raises(ValueError, match="dy has shape"):
         fd.layer_norm_backward(x[:10], x)
+    for backward in (fd.layer_norm_backward, fd.rms_norm_backward):  # as fastln's: no cast
+        with pytest.raises(ValueError, match="dy has dtype float64, expected float32"):
+            backward(x.astype(np.float64), x)
+        with pytest.raises(ValueError, match="dy has dtype int32, expected float32"):
+            backward(x.astype(np.int32), x)
+        backward(x.astype(">f4"), x)  # another byte order is the same dtype
+        backward(x.astype(np.float64), x.astype(np.int64))  # integers compute in float64
     with pytest.raises(ValueError, match="^eps must be a finite number >= 0, got 1000"):
         fd.layer_norm(x, eps=10**400)
     with pytest.raises(TypeError, match="^axis must be an int, got a bool"):
