@@ -214,6 +214,16 @@ def test_bad_options_exit_2_naming_the_option(option, value, capsys):
     assert option in capsys.readouterr().err
 
 
+def test_a_run_that_measures_nothing_fails():
+    """Every case skipped (too large for the memory): the table says why, the status is 1."""
+    status, stdout, stderr = run_main(["bench", "--shapes", "100000x100000", "--dtypes",
+                                       "float32", "--threads", "1", "--peers", "none",
+                                       "--copy-buffer-mib", "4", "--no-progress", "--no-files"])
+    assert status == 1
+    assert "skipped forward 100000x100000 float32: needs about" in stdout
+    assert "nothing was measured" in stderr
+
+
 def test_missing_peer_is_skipped_with_a_warning(monkeypatch, capsys):
     monkeypatch.setattr(peers, "is_installed", lambda peer: peer == "numpy")
     args = cli.build_parser().parse_args(["bench", "--peers", "numpy,torch"])

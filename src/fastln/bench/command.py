@@ -25,7 +25,7 @@ the next one down is in fastln.bench.timing; ONNX Runtime's pool does not spin a
 
 Every option is checked before any work, and a bad one is one line naming it, exit status 2:
 numbers are plain ASCII decimals, finite and within their range; output files must be
-writable.
+writable. A run in which every case was skipped (too large for the memory) exits with status 1.
 
 Nothing heavy is imported here (no peer, no matplotlib): the parser is built every time
 `fastln` starts.
@@ -394,6 +394,10 @@ def run(args):
         writers = {"json": output.write_json, "markdown": output.write_markdown,
                    "plot": output.write_plot}
     written, status = {}, 0
+    if not args.accuracy and not result["results"] and result["skipped"]:
+        print("fastln bench: error: nothing was measured: every case was skipped (see above)",
+              file=sys.stderr)
+        status = 1
     for kind, path in files.items():
         try:
             writers[kind](result, path)
