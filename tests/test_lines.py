@@ -229,6 +229,22 @@ def test_the_installed_command_reads_stdin_and_sets_the_exit_status():
     assert result.returncode == 1
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\r"], ids=["LF", "CRLF", "CR"])
+def test_stdin_and_a_file_read_every_line_ending_alike(ending, tmp_path):
+    """A pipe and a file named on the command line split the same bytes into the same lines
+    (universal newlines: old Mac text ends its lines with a lone CR)."""
+    text = ending.join(["INPUT 10 20 60", "NORM", ""]).encode()
+    path = tmp_path / "commands.txt"
+    path.write_bytes(text)
+    piped = subprocess.run([sys.executable, "-m", "fastln", "lines"], input=text,
+                           capture_output=True, timeout=60)
+    named = subprocess.run([sys.executable, "-m", "fastln", "lines", str(path)],
+                           capture_output=True, timeout=60)
+    for result in (piped, named):
+        assert (result.returncode, result.stdout, result.stderr) == (
+            0, b"-0.9258 -0.4629 1.3887\n", b"")
+
+
 # ---------------------------------------------------------------------------------------------
 # Samples of every magnitude
 # ---------------------------------------------------------------------------------------------

@@ -298,7 +298,9 @@ def run(args):
     if args.file == "-":
         name = "stdin"
         if hasattr(sys.stdin, "reconfigure"):
-            sys.stdin.reconfigure(errors="replace")  # undecodable bytes: a bad line, not a crash
+            # Undecodable bytes: a bad line, not a crash. Universal newlines, as a file opened
+            # by name reads them: a lone \r (old Mac text) ends a line too.
+            sys.stdin.reconfigure(errors="replace", newline=None)
         file = sys.stdin
     else:
         name = args.file
