@@ -235,8 +235,11 @@ def set_default_num_threads(int num_threads):
 # The driver: every phase of every operation runs through _run
 # ---------------------------------------------------------------------------------------------
 
-# Below MIN_ELEMENTS_FOR_THREADS elements a call runs on the calling thread: handing parts to a
-# worker costs more than the work (see docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
+# Row normalizations below MIN_ELEMENTS_FOR_NOGIL elements keep the GIL: releasing and taking
+# it back costs about as much as their arithmetic (docs/performance.md, "Small calls keep the
+# GIL"; NumPy's loops keep it below 500 elements). Below MIN_ELEMENTS_FOR_THREADS elements a
+# call runs on the calling thread: handing parts to a worker costs more than the work (see
+# docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
 # and more are written with non-temporal stores: below, the output would still have been in
 # cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
 # its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
@@ -260,6 +263,7 @@ def set_default_num_threads(int num_threads):
 # write pass is one multiply-add per element of data in the caller's cache, so a worker spends
 # more pulling its half across than it saves (docs/performance.md, "BatchNorm's small calls").
 cdef enum:
+    MIN_ELEMENTS_FOR_NOGIL = 4096
     MIN_ELEMENTS_FOR_THREADS = 32768
     MIN_BYTES_FOR_STREAMING = 32 * 1024 * 1024
     MAX_ROW_BYTES_ALONE = 8 * 1024
@@ -337,9 +341,15 @@ cdef inline void _rows_call_of(fastln_rows_call *call, cnp.ndarray x, cnp.ndarra
 # Row normalizations
 # ---------------------------------------------------------------------------------------------
 
-cdef void _forward_rows(int op, fastln_rows_call *call, int storage,
-                        int num_threads) noexcept nogil:
-    _run(_task(storage, op), call, call.n_rows, call.n_rows * call.n_cols, num_threads)
+cdef void _forward_rows(int op, fastln_rows_call *call, int storage, int num_threads):
+    """The row forward's tasks; the GIL is released for calls of MIN_ELEMENTS_FOR_NOGIL and
+    more (releasing and taking it back costs as much as a smaller call's arithmetic)."""
+    cdef int64_t n_elements = call.n_rows * call.n_cols
+    if n_elements < MIN_ELEMENTS_FOR_NOGIL:
+        _run(_task(storage, op), call, call.n_rows, n_elements, num_threads)
+        return
+    with nogil:
+        _run(_task(storage, op), call, call.n_rows, n_elements, num_threads)
 
 
 cdef inline void _layer_norm_forward(fastln_rows_call *call, object gamma, object beta,
@@ -350,8 +360,7 @@ cdef inline void _layer_norm_forward(fastln_rows_call *call, object gamma, objec
     call.y = y
     call.mean = <void*>_data(mean)
     call.rstd = <void*>_data(rstd)
-    with nogil:
-        _forward_rows(FASTLN_LAYER_NORM_FORWARD, call, storage, num_threads)
+    _forward_rows(FASTLN_LAYER_NORM_FORWARD, call, storage, num_threads)
 
 
 def layer_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, object mean,
@@ -369,8 +378,7 @@ cdef inline void _rms_norm_forward(fastln_rows_call *call, object gamma, void *y
     call.gamma = _data(gamma)
     call.y = y
     call.rstd = <void*>_data(rstd)
-    with nogil:
-        _forward_rows(FASTLN_RMS_NORM_FORWARD, call, storage, num_threads)
+    _forward_rows(FASTLN_RMS_NORM_FORWARD, call, storage, num_threads)
 
 
 def rms_norm_forward(cnp.ndarray x, object gamma, cnp.ndarray y, object rstd, double eps,
@@ -395,8 +403,7 @@ cdef inline void _add_norm_forward(int op, fastln_rows_call *call, object residu
     call.y = <void*>_data(y)
     call.mean = <void*>_data(mean)
     call.rstd = <void*>_data(rstd)
-    with nogil:
-        _forward_rows(op, call, storage, num_threads)
+    _forward_rows(op, call, storage, num_threads)
 
 
 def add_layer_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, object gamma,
@@ -438,10 +445,16 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
         free(call.partials)
         free(call.accumulators)
         raise MemoryError("cannot allocate the backward's partial sums")
-    with nogil:
+    if call.n_rows * call.n_cols < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
         _run(_task(storage, op), call, call.n_blocks, call.n_rows * call.n_cols, num_threads)
         _run(_task(storage, FASTLN_COLUMN_SUMS), call, call.n_cols, call.n_blocks * call.n_cols,
              num_threads)
+    else:
+        with nogil:
+            _run(_task(storage, op), call, call.n_blocks, call.n_rows * call.n_cols,
+                 num_threads)
+            _run(_task(storage, FASTLN_COLUMN_SUMS), call, call.n_cols,
+                 call.n_blocks * call.n_cols, num_threads)
     free(call.partials)
     free(call.accumulators)
     return 0
