@@ -1097,8 +1097,10 @@ def row_norm_forward_fast(int op, object x, object residual, object gamma, objec
                           object num_threads, bint keep_cache):
     """(y, s, mean, rstd) of a row normalization's forward - op LAYER_NORM, RMS_NORM,
     ADD_LAYER_NORM or ADD_RMS_NORM - when its arguments are kernel-ready: s for the fused adds,
-    mean (LayerNorm) and rstd with keep_cache, None otherwise. None when the call needs the
-    general path. The caller passes None for the arguments the op does not have."""
+    mean (LayerNorm) and rstd with keep_cache, None otherwise; y alone for LAYER_NORM and
+    RMS_NORM without keep_cache (a one-row call costs little more than the tuple). None when the
+    call needs the general path. The caller passes None for the arguments the op does not
+    have."""
     cdef _FastRows rows
     if not _fast_rows(x, num_threads, &rows):
         return None
@@ -1146,6 +1148,8 @@ def row_norm_forward_fast(int op, object x, object residual, object gamma, objec
     else:
         _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(<cnp.ndarray>y), rstd, rows.storage,
                           rows.threads)
+    if not fused and not keep_cache:
+        return y
     return y, s, mean, rstd
 
 

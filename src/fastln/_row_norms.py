@@ -188,10 +188,10 @@ def layer_norm(x, gamma=None, beta=None, eps=1e-5, *, axis=-1, out=None, num_thr
     >>> fastln.layer_norm(np.array([10.0, 20.0, 60.0])).round(4)
     array([-0.9258, -0.4629,  1.3887])
     """
-    result = _kernels.row_norm_forward_fast(_kernels.LAYER_NORM, x, None, gamma, beta, None, eps,
-                                            axis, out, None, num_threads, False)
-    if result is not None:
-        return result[0]
+    y = _kernels.row_norm_forward_fast(_kernels.LAYER_NORM, x, None, gamma, beta, None, eps,
+                                       axis, out, None, num_threads, False)
+    if y is not None:
+        return y
     return _forward("layer_norm", x, None, gamma, beta, None, eps, axis, out, None, num_threads,
                     keep_cache=False)
 
@@ -303,10 +303,10 @@ def rms_norm(x, gamma=None, eps=1e-5, *, axis=-1, out=None, num_threads=None):
     >>> fastln.rms_norm(np.array([3.0, 4.0]), eps=0.0).round(4)
     array([0.8485, 1.1314])
     """
-    result = _kernels.row_norm_forward_fast(_kernels.RMS_NORM, x, None, gamma, None, None, eps,
-                                            axis, out, None, num_threads, False)
-    if result is not None:
-        return result[0]
+    y = _kernels.row_norm_forward_fast(_kernels.RMS_NORM, x, None, gamma, None, None, eps,
+                                       axis, out, None, num_threads, False)
+    if y is not None:
+        return y
     return _forward("rms_norm", x, None, gamma, None, None, eps, axis, out, None, num_threads,
                     keep_cache=False)
 
