@@ -833,6 +833,9 @@ cdef void _convert(int task, cnp.ndarray source, cnp.ndarray out, int storage):
     cdef fastln_rows_call call
     _rows_call(&call, cnp.PyArray_DATA(source), 1, cnp.PyArray_SIZE(source), 0, 0.0)
     call.y = cnp.PyArray_DATA(out)
+    if call.n_cols < MIN_ELEMENTS_FOR_NOGIL:  # a parameter's few values: as _forward_rows
+        _task(storage, task)(&call, 0, call.n_cols)
+        return
     with nogil:
         _task(storage, task)(&call, 0, call.n_cols)
 
