@@ -366,55 +366,6 @@ def test_parameter_views_follow_every_change_of_the_parameters():
     assert "_fastln_views" not in model[0].__dict__
 
 
-@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
-def test_parameters_that_are_copied_follow_in_place_updates(kind):
-    # Non-contiguous parameters cannot be viewed, only copied: a copy kept between calls would
-    # miss the updates below, which change neither the pointers nor (param.data.add_) the
-    # version counters.
-    make = {"layer_norm": lambda: ft.LayerNorm(8), "rms_norm": lambda: ft.RMSNorm(8),
-            "group_norm": lambda: ft.GroupNorm(2, 8)}[kind]
-    norm = make()
-    norm.weight = torch.nn.Parameter(torch.randn(8, 2)[:, 0])
-    if kind != "rms_norm":
-        norm.bias = torch.nn.Parameter(torch.randn(3, 8).t()[:, 1])
-    x = torch.randn(3, 8, 5) if kind == "group_norm" else torch.randn(3, 8)
-
-    def expected():  # in float64: PyTorch's float32 GroupNorm is the less exact of the two
-        x64, weight = x.double(), norm.weight.detach().double()
-        bias = None if kind == "rms_norm" else norm.bias.detach().double()
-        if kind == "layer_norm":
-            y = torch.nn.functional.layer_norm(x64, (8,), weight, bias, norm.eps)
-        elif kind == "rms_norm":
-            y = torch.nn.functional.rms_norm(x64, (8,), weight, norm.eps)
-        else:
-            y = torch.nn.functional.group_norm(x64, 2, weight, bias, norm.eps)
-        return y.float()
-
-    def check():
-        exact = expected()
-        tolerance = {"rtol": 0.0, "atol": 1e-6 * exact.abs().max().item()}
-        with torch.no_grad():
-            torch.testing.assert_close(norm(x), exact, **tolerance)
-        torch.testing.assert_close(norm(x).detach(), exact, **tolerance)  # the autograd path
-
-    check()
-    with torch.no_grad():
-        norm.weight.mul_(2.0)
-    check()
-    norm.weight.data.add_(1.0)
-    check()
-    if kind != "rms_norm":
-        with torch.no_grad():
-            norm.bias.add_(3.0)
-        check()
-    optimizer = torch.optim.SGD(norm.parameters(), lr=0.5)
-    for _ in range(2):
-        optimizer.zero_grad()
-        norm(x).square().sum().backward()
-        optimizer.step()
-        check()
-
-
 def _module_and_input(kind):
     torch.manual_seed(0)
     if kind == "layer_norm":
@@ -548,6 +499,42 @@ def test_empty_inputs_give_empty_results_as_in_pytorch(make, shape):
             if grad:
                 y.sum().backward()
                 assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "group_norm"])
+def test_parameters_that_are_copied_follow_in_place_updates(kind):
+    # Non-contiguous parameters cannot be viewed, only copied: a copy kept between calls would
+    # miss the updates below, which change neither the pointers nor (param.data.add_) the
+    # version counters.
+    norm, x = _module_and_input(kind)
+    norm.weight = torch.nn.Parameter(torch.randn(8, 2)[:, 0])
+    if kind != "rms_norm":
+        norm.bias = torch.nn.Parameter(torch.randn(3, 8).t()[:, 1])
+
+    def check():  # against float64: PyTorch's float32 GroupNorm is the less exact of the two
+        bias = None if kind == "rms_norm" else norm.bias
+        exact = _torch_reference(kind, norm, x, norm.weight, bias).detach()
+        tolerance = {"rtol": 0.0, "atol": 1e-6 * exact.abs().max().item()}
+        with torch.no_grad():
+            torch.testing.assert_close(norm(x), exact, **tolerance)
+        torch.testing.assert_close(norm(x).detach(), exact, **tolerance)  # the autograd path
+
+    check()
+    with torch.no_grad():
+        norm.weight.mul_(2.0)
+    check()
+    norm.weight.data.add_(1.0)
+    check()
+    if kind != "rms_norm":
+        with torch.no_grad():
+            norm.bias.add_(3.0)
+        check()
+    optimizer = torch.optim.SGD(norm.parameters(), lr=0.5)
+    for _ in range(2):
+        optimizer.zero_grad()
+        norm(x).square().sum().backward()
+        optimizer.step()
+        check()
 
 
 def test_rms_module_views_and_training_step():
