@@ -340,7 +340,8 @@ def check_running(running, name, n_features, training):
 
     In training mode they are updated in place, so they must be writeable ndarrays of a real
     floating dtype, ml_dtypes' bfloat16 included (any strides and byte order). In evaluation
-    mode they are only read: any real array_like. Returns the array to update (training) or a float64 copy (evaluation).
+    mode they are only read: any real array_like. Returns the array to update (training) or a
+    float64 copy (evaluation).
     """
     if training and not issubclass(type(running), np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray (it is updated in place in training "

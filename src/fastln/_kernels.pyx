@@ -235,28 +235,28 @@ def set_default_num_threads(int num_threads):
 # The driver: every phase of every operation runs through _run
 # ---------------------------------------------------------------------------------------------
 
-# Row normalizations below MIN_ELEMENTS_FOR_NOGIL elements keep the GIL: releasing and taking
-# it back costs about as much as their arithmetic (docs/performance.md, "Small calls keep the
-# GIL"; NumPy's loops keep it below 500 elements). Below MIN_ELEMENTS_FOR_THREADS elements a
-# call runs on the calling thread: handing parts to a worker costs more than the work (see
-# docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING
-# and more are written with non-temporal stores: below, the output would still have been in
-# cache. A float32 row backward whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes
-# its rows one at a time instead of in groups, when a row is at most MAX_ROW_BYTES_ALONE
-# (measured faster there; slower in cache, for longer rows and for float64; the same for the
-# half types). A row backward whose dy, x and dx reach BACKWARD_MIN_BYTES_FOR_FETCHING fetches
-# the next group's lines while it writes each group (rows taken alone: the next two, for rows
-# of MIN_ROW_BYTES_FETCHED_ALONE and more; docs/performance.md, "Every line of the rows
-# fetched"). GroupNorm's forward streams y from inputs of GN_MIN_BYTES_FOR_STREAMING, its
-# backward dx from inputs of GN_BACKWARD_MIN_BYTES_FOR_STREAMING, in both layouts (the backward
-# channels last: the float32-compute types; docs/performance.md, "GroupNorm's outputs streamed
-# from smaller calls"). BatchNorm's rows layout streams y (dx) from smaller inputs, of
+# Row normalizations below MIN_ELEMENTS_FOR_NOGIL elements keep the GIL: releasing and taking it
+# back costs about as much as their arithmetic (docs/performance.md, "Small calls keep the GIL";
+# NumPy's loops keep it below 500 elements). Below MIN_ELEMENTS_FOR_THREADS elements a call runs
+# on the calling thread: handing parts to a worker costs more than the work (see
+# docs/performance.md). Outputs of MIN_BYTES_FOR_STREAMING and more are written with
+# non-temporal stores: below, the output would still have been in cache. A float32 row backward
+# whose dy, x and dx together reach MIN_BYTES_FOR_STREAMING takes its rows one at a time instead
+# of in groups, when a row is at most MAX_ROW_BYTES_ALONE (measured faster there; slower in
+# cache, for longer rows and for float64; the same for the half types). A row backward whose dy,
+# x and dx reach BACKWARD_MIN_BYTES_FOR_FETCHING fetches the next group's lines while it writes
+# each group (rows taken alone: the next two, for rows of MIN_ROW_BYTES_FETCHED_ALONE and more;
+# docs/performance.md, "Every line of the rows fetched"). GroupNorm's forward streams y from
+# inputs of GN_MIN_BYTES_FOR_STREAMING, its backward dx from inputs of
+# GN_BACKWARD_MIN_BYTES_FOR_STREAMING, in both layouts (the backward channels last: the
+# float32-compute types; docs/performance.md, "GroupNorm's outputs streamed from smaller
+# calls"). BatchNorm's rows layout streams y (dx) from smaller inputs, of
 # BN_MIN_BYTES_FOR_STREAMING, where that measured faster (docs/performance.md), and from that
 # size its float32-compute backward sums prefetch their rows (in cache, the prefetches cost more
 # than they save). The GroupNorm backward takes a group at a time (its sums, then its dx from
 # cache) when the group's dy and x together are at most GN_MAX_GROUP_BYTES_IN_CACHE; larger
-# groups would be read from memory twice either way, and the piece phases stream better.
-# The fused adds add x + residual in float (the same bits as in double): the half formats always,
+# groups would be read from memory twice either way, and the piece phases stream better. The
+# fused adds add x + residual in float (the same bits as in double): the half formats always,
 # float32 when x, residual, the sum and y together take at most ADD_IN_FLOAT_MAX_BYTES; from L3
 # the double loop measured faster (docs/performance.md, "The residual add in float").
 # BatchNorm's forward runs on the calling thread below BN_FORWARD_MIN_ELEMENTS_FOR_THREADS: its

@@ -621,16 +621,15 @@ class _InferenceShortcut:
                 eps = torch.finfo(input.dtype).eps
             # Parameters straight from _parameters: Module.__getattr__ costs as much as a check.
             # A parametrized one is not there (forward computes it: _parameter).
-            parameters = d["_parameters"]
-            arrays = (d.get("_fastln_views") or _module_views(self)).get(
-                parameters.get("weight"), parameters.get("bias"))
-            names = self._fastln_parameters
-            if (eps is not None and arrays is not None and names[0] in parameters
-                    and names[-1] in parameters):
-                result = _forward_tensor(self._fastln_op, input, shape[0], arrays[0], arrays[1],
-                                         eps, self.num_threads)
-                if result is not None:
-                    return result
+            parameters, names = d["_parameters"], self._fastln_parameters
+            if eps is not None and names[0] in parameters and names[-1] in parameters:
+                arrays = (d.get("_fastln_views") or _module_views(self)).get(
+                    parameters.get("weight"), parameters.get("bias"))
+                if arrays is not None:
+                    result = _forward_tensor(self._fastln_op, input, shape[0], arrays[0],
+                                             arrays[1], eps, self.num_threads)
+                    if result is not None:
+                        return result
         # Looked up at call time, so that what patches Module.__call__ (torch.fx's tracer, for
         # one) sees these calls too.
         return super().__call__(*args, **kwargs)
