@@ -10,9 +10,9 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from conftest import HALF
 
 import fastln.nn as nn
-from conftest import HALF
 
 try:
     import torch
