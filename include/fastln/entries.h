@@ -185,14 +185,14 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
     double total[CHUNK];
     for (int64_t sum = 0; sum < n_sums; sum++) {
         FASTLN_P *out = sum == 0 ? call->dgamma : call->dbeta;
-        /* A chunk of columns at a time, each block's row of partials read in order (a column
-         * walk through the blocks would take a cache miss per block); each column still adds
-         * its blocks in block order. */
         if (call->n_blocks == 1) { /* a single block's partials are the sums (small calls) */
             const double *partial = call->partials + sum * n;
             for (int64_t j = begin; j < end; j++) out[j] = (FASTLN_P)partial[j];
             continue;
         }
+        /* A chunk of columns at a time, each block's row of partials read in order (a column
+         * walk through the blocks would take a cache miss per block); each column still adds
+         * its blocks in block order. */
         for (int64_t j0 = begin; j0 < end; j0 += CHUNK) {
             const int64_t width = fastln_min(CHUNK, end - j0);
             memcpy(total, call->partials + sum * n + j0, (size_t)width * sizeof(double));

@@ -426,6 +426,14 @@ def add_rms_norm_forward(cnp.ndarray x, cnp.ndarray residual, object bias, objec
                       None, rstd, storage, num_threads)
 
 
+cdef void _backward_phases(int op, fastln_rows_call *call, int storage,
+                           int num_threads) noexcept nogil:
+    """A row backward's row blocks, then its column sums in block order."""
+    _run(_task(storage, op), call, call.n_blocks, call.n_rows * call.n_cols, num_threads)
+    _run(_task(storage, FASTLN_COLUMN_SUMS), call, call.n_cols, call.n_blocks * call.n_cols,
+         num_threads)
+
+
 cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
                         int num_threads) except -1:
     """A row backward: its row blocks (each with its own zeroed partial sums and, for the
@@ -446,15 +454,10 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
         free(call.accumulators)
         raise MemoryError("cannot allocate the backward's partial sums")
     if call.n_rows * call.n_cols < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
-        _run(_task(storage, op), call, call.n_blocks, call.n_rows * call.n_cols, num_threads)
-        _run(_task(storage, FASTLN_COLUMN_SUMS), call, call.n_cols, call.n_blocks * call.n_cols,
-             num_threads)
+        _backward_phases(op, call, storage, num_threads)
     else:
         with nogil:
-            _run(_task(storage, op), call, call.n_blocks, call.n_rows * call.n_cols,
-                 num_threads)
-            _run(_task(storage, FASTLN_COLUMN_SUMS), call, call.n_cols,
-                 call.n_blocks * call.n_cols, num_threads)
+            _backward_phases(op, call, storage, num_threads)
     free(call.partials)
     free(call.accumulators)
     return 0
@@ -1098,12 +1101,12 @@ cdef inline bint _is_safe_add_output(object output, object x, object residual, o
 def row_norm_forward_fast(int op, object x, object residual, object gamma, object beta,
                           object bias, object eps, object axis, object out, object sum_out,
                           object num_threads, bint keep_cache):
-    """(y, s, mean, rstd) of a row normalization's forward - op LAYER_NORM, RMS_NORM,
-    ADD_LAYER_NORM or ADD_RMS_NORM - when its arguments are kernel-ready: s for the fused adds,
-    mean (LayerNorm) and rstd with keep_cache, None otherwise; y alone for LAYER_NORM and
-    RMS_NORM without keep_cache (a one-row call costs little more than the tuple). None when the
-    call needs the general path. The caller passes None for the arguments the op does not
-    have."""
+    """A row normalization's forward - op LAYER_NORM, RMS_NORM, ADD_LAYER_NORM or ADD_RMS_NORM -
+    when its arguments are kernel-ready; None when the call needs the general path. Without
+    keep_cache, what the public function returns (y, or (y, s) for the fused adds: a one-row
+    call costs little more than a tuple to repack); with it, (y, s, mean, rstd), s None but for
+    the fused adds and mean None for RMSNorm. The caller passes None for the arguments the op
+    does not have."""
     cdef _FastRows rows
     if not _fast_rows(x, num_threads, &rows):
         return None
@@ -1151,9 +1154,9 @@ def row_norm_forward_fast(int op, object x, object residual, object gamma, objec
     else:
         _rms_norm_forward(&call, gamma, cnp.PyArray_DATA(<cnp.ndarray>y), rstd, rows.storage,
                           rows.threads)
-    if not fused and not keep_cache:
-        return y
-    return y, s, mean, rstd
+    if keep_cache:
+        return y, s, mean, rstd
+    return (y, s) if fused else y
 
 
 def row_norm_backward_fast(bint rms, object dy, object x, object mean, object rstd,

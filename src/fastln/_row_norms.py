@@ -418,7 +418,7 @@ def add_layer_norm(x, residual, gamma=None, beta=None, eps=1e-5, *, bias=None, a
     result = _kernels.row_norm_forward_fast(_kernels.ADD_LAYER_NORM, x, residual, gamma, beta,
                                             bias, eps, axis, out, sum_out, num_threads, False)
     if result is not None:
-        return result[:2]
+        return result
     return _forward("add_layer_norm", x, residual, gamma, beta, bias, eps, axis, out, sum_out,
                     num_threads, keep_cache=False)
 
@@ -490,7 +490,7 @@ def add_rms_norm(x, residual, gamma=None, eps=1e-5, *, bias=None, axis=-1, out=N
     result = _kernels.row_norm_forward_fast(_kernels.ADD_RMS_NORM, x, residual, gamma, None,
                                             bias, eps, axis, out, sum_out, num_threads, False)
     if result is not None:
-        return result[:2]
+        return result
     return _forward("add_rms_norm", x, residual, gamma, None, bias, eps, axis, out, sum_out,
                     num_threads, keep_cache=False)
 

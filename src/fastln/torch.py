@@ -196,13 +196,11 @@ class _ParameterViews:
             return self.arrays
         readable = all(p is None or _handles(p) for p in (weight, bias))
         arrays = (_to_numpy(weight), _to_numpy(bias)) if readable else None
+        # Copies are not kept: the next call with these parameters converts them again.
         if arrays is None or (_is_view_of(arrays[0], weight) and _is_view_of(arrays[1], bias)):
             self.weight, self.bias = weight, bias
             self.weight_ptr, self.bias_ptr = weight_ptr, bias_ptr
             self.arrays = arrays
-        else:  # copies: nothing kept, so the next call converts the parameters again
-            self.weight = self.bias = self.weight_ptr = self.bias_ptr = None
-            self.arrays = (None, None)
         return arrays
 
 
