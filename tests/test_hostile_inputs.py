@@ -61,7 +61,8 @@ import pytest
 
 import fastln
 import fastln.reference as ref
-from conftest import ATOL, RTOL, Snapshot, assert_bitwise_equal, owner, random_input, random_params
+from conftest import (ATOL, BFLOAT16, RTOL, Snapshot, assert_bitwise_equal, needs_ml_dtypes, owner,
+                      random_input, random_params)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -2499,3 +2500,78 @@ def test_batch_norm_backward_when_coef_alone_overflows():
     dx = fastln.batch_norm_backward(dy, fastln.batch_norm_forward(x, training=True)[1])[0]
     assert np.all(np.isfinite(expected))
     assert_agrees(dx, expected, 1e-9 * np.abs(expected).max(), "dx")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(np.dtype(np.float32), id="float32"),
+                                   pytest.param(BFLOAT16, id="bfloat16", marks=needs_ml_dtypes),
+                                   pytest.param(np.dtype(np.float64), id="float64")])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_sums_over_rows_of_dy_near_the_largest_value(op, dtype):
+    """dgamma = sum(dy * x_hat) and dbeta = sum(dy) over rows whose dy comes near the type's
+    largest value: the partial sums (float runs, float32 products, float64 partials) overflowed
+    to Inf where the exact sums are finite. x's rows come in equal fours, and column 0 of dy
+    cancels over each (+big, +big, -big, -big) but the last; column 1's exact sums lie beyond
+    the type (Inf in both), column 2 holds a NaN, the others are ordinary. 100 rows make
+    several row blocks, with eps = 0 a constant row (x_hat = 0) and a row of subnormal spread
+    (rstd beyond the cache) among them. float16's dy cannot reach float32's range, where its
+    sums are formed."""
+    rng = np.random.default_rng(11)
+    n_rows, n_cols = 100, 19
+    big = 1.3e308 if dtype == np.float64 else 2.5e38
+    tiny = 1e-310 if dtype == np.float64 else 1e-39
+    rows = rng.standard_normal((n_rows // 4, n_cols)) * 3.0 + 1.0
+    rows[2] = 7.0
+    rows[5] = tiny * np.arange(1.0, n_cols + 1.0)
+    last = rows[-1, 1:]  # x_hat about 1 in column 0 of the rows that do not cancel
+    rows[-1, 0] = (last.mean() + last.std() if op == "layer_norm"
+                   else np.sqrt(np.mean(last ** 2)))
+    x = np.repeat(rows, 4, axis=0)
+    dy = rng.standard_normal((n_rows, n_cols))
+    signs = np.tile([1.0, 1.0, -1.0, -1.0], n_rows // 4)
+    signs[-1] = -0.5
+    dy[:, 0] = big * signs
+    dy[:, 1] = big
+    dy[50, 2] = np.nan
+    x, dy = x.astype(dtype), dy.astype(dtype)
+    gamma = (rng.random(n_cols) + 0.5).astype(np.float32 if dtype != np.float64 else dtype)
+
+    def backward(module, num_threads=None):
+        cache = getattr(module, op + "_forward")(x, gamma, eps=0.0)[1]
+        return getattr(module, op + "_backward")(dy, cache, gamma, num_threads=num_threads)
+
+    expected = backward(ref)
+    serial = backward(fastln, num_threads=1)
+    for name, got, want in zip(("dx", "dgamma", "dbeta"), serial, expected):
+        if name == "dx":
+            continue  # dx near the largest value: docs/api.md, Accurate
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), (name, got, want)
+        assert np.array_equal(np.isinf(got), np.isinf(want)), (name, got, want)
+        infinite = np.isinf(want)
+        assert np.array_equal(np.sign(got[infinite]), np.sign(want[infinite])), name
+        finite = np.isfinite(want)
+        assert finite[0] and not finite[1] and not finite[2], (name, want)
+        # each sum within a few roundings of the sum of its terms' magnitudes
+        x_hat = np.abs(np.asarray(ref.layer_norm(x, eps=0.0) if op == "layer_norm"
+                                  else ref.rms_norm(x, eps=0.0), np.float64))
+        terms = np.abs(dy.astype(np.float64)) * (x_hat if name == "dgamma" else 1.0)
+        bound = (1e-12 if dtype == np.float64 else 1e-6) * np.nansum(terms, axis=0)
+        assert np.all(np.abs(got[finite] - want[finite]) <= bound[finite]), (name, got, want)
+    for other in fastln.get_num_threads(), 2:
+        for name, got, want in zip(("dx", "dgamma", "dbeta"), backward(fastln, other), serial):
+            assert_bitwise_equal(got, want, f"{name}, {other} threads")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_nan_in_x_leaves_dbeta_as_it_is(dtype):
+    """dbeta = sum(dy) does not read x: a NaN in x, which makes every column's dgamma NaN, must
+    not send dbeta to the columns' rescaled sums (another order of additions, other bits)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((100, 19)).astype(dtype)
+    dy = rng.standard_normal((100, 19)).astype(dtype)
+    poisoned = x.copy()
+    poisoned[40, 3] = np.nan
+    _, dgamma, dbeta = fastln.layer_norm_backward(dy, fastln.layer_norm_forward(poisoned)[1])
+    _, _, dbeta_clean = fastln.layer_norm_backward(dy, fastln.layer_norm_forward(x)[1])
+    assert np.all(np.isnan(dgamma))
+    assert_bitwise_equal(dbeta, dbeta_clean, "dbeta")

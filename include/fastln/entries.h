@@ -183,11 +183,15 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
     const int64_t n_sums = call->dbeta ? 2 : 1;
     enum { CHUNK = 256 };
     double total[CHUNK];
+    int not_finite = 0;
     for (int64_t sum = 0; sum < n_sums; sum++) {
         FASTLN_P *out = sum == 0 ? call->dgamma : call->dbeta;
         if (call->n_blocks == 1) { /* a single block's partials are the sums (small calls) */
             const double *partial = call->partials + sum * n;
-            for (int64_t j = begin; j < end; j++) out[j] = (FASTLN_P)partial[j];
+            for (int64_t j = begin; j < end; j++) {
+                out[j] = (FASTLN_P)partial[j];
+                not_finite |= fastln_not_finite_bits(partial[j]);
+            }
             continue;
         }
         /* A chunk of columns at a time, each block's row of partials read in order (a column
@@ -200,9 +204,15 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
                 const double *partial = call->partials + (block * n_sums + sum) * n + j0;
                 for (int64_t k = 0; k < width; k++) total[k] += partial[k];
             }
-            for (int64_t k = 0; k < width; k++) out[j0 + k] = (FASTLN_P)total[k];
+            for (int64_t k = 0; k < width; k++) {
+                out[j0 + k] = (FASTLN_P)total[k];
+                not_finite |= fastln_not_finite_bits(total[k]);
+            }
         }
     }
+    /* A sum that is not finite may have overflowed on the way (rare.h). A finite double sum
+     * beyond float's range is the exact sum's overflow, not the accumulators'. */
+    if (not_finite) FASTLN_NAME(column_sums_again)(call, begin, end);
 }
 
 /* ---- BatchNorm ------------------------------------------------------------------------------

@@ -220,6 +220,86 @@ static int FASTLN_NAME(rms_backward_row_recomputed)(
     return 1;
 }
 
+/* ---- The row backwards' sums over rows (dgamma, dbeta) beyond their accumulators' range ----
+ * dgamma = sum(dy * x_hat) and dbeta = sum(dy) per column are accumulated in float runs (the
+ * float32-compute types) or in double (float64), and both overflow when dy comes within a
+ * factor of the number of rows of the type's largest value, even where the exact sum is
+ * finite. A column whose dgamma or dbeta came out Inf or NaN is summed again here, in double,
+ * row after row in row order (the same order for any thread count), float64 dy scaled by
+ * 2^-FASTLN_COLUMN_SCALE first (exact but for values below 2^-946, far under the sums' last
+ * digits; |x_hat| <= sqrt(n_cols), so no sum of fewer than 2^64 rows can overflow), and the
+ * scale taken out at the end. A column with NaN or Inf among its inputs comes out NaN or Inf
+ * again. */
+#define FASTLN_COLUMN_SCALE 128
+
+/* The statistics of a row taken again from x, for the rows whose x_hat the cache's mean and
+ * rstd do not give: an Inf rstd (a spread beyond the cache's range, or a constant row with
+ * eps = 0), or float64 deviations beyond double. */
+typedef struct {
+    int taken;
+    fastln_ln_stats ln;         /* LayerNorm */
+    double rms_rstd_scaled;     /* RMSNorm: x_hat = ldexp(x, rms_exponent) * rms_rstd_scaled */
+    int rms_exponent;
+} FASTLN_NAME(row_again);
+
+/* x_hat of element j of row r, as the backward took it (rare.h's rows included). */
+static double FASTLN_NAME(column_x_hat)(const fastln_rows_call *call, int64_t r, int64_t j,
+                                        FASTLN_NAME(row_again) *again)
+{
+    const int64_t n = call->n_cols;
+    const FASTLN_T *row = (const FASTLN_T *)call->x + r * n;
+    const double x = FASTLN_NAME(to_double)(row[j]);
+    const double rstd = (double)((const FASTLN_P *)call->rstd)[r];
+    const double mean = call->mean ? (double)((const FASTLN_P *)call->mean)[r] : 0.0;
+    const double x_hat = (x - mean) * rstd;
+    if (isfinite(x_hat) || !isfinite(x) || isnan(rstd)) return x_hat;
+    if (!again->taken) {
+        again->taken = 1;
+        if (call->mean)
+            FASTLN_NAME(ln_statistics)(row, n, call->eps, &again->ln);
+        else
+            again->rms_rstd_scaled =
+                FASTLN_NAME(rms_rescaled_rstd)(row, n, call->eps, &again->rms_exponent);
+    }
+    if (!call->mean) return ldexp(x, again->rms_exponent) * again->rms_rstd_scaled;
+    const fastln_ln_stats *stats = &again->ln;
+    if (stats->var == 0.0) return 0.0; /* a constant row: y = beta, x_hat = 0 */
+    if (stats->rare) return fastln_ln_rare_x_hat(x, stats);
+    return ((x - stats->shift) - stats->mean_shifted) * stats->rstd;
+}
+
+/* Columns [begin, end) of dgamma and dbeta summed again where they are not finite (each sum on
+ * its own: a NaN in x makes its columns' dgamma NaN and leaves their dbeta as it is). The sums
+ * go to block 0's partials of these columns, which the column sums have read. Out of line:
+ * inlined, it made the column sums of a single row several percent slower. */
+FASTLN_OUTLINED void FASTLN_NAME(column_sums_again)(const fastln_rows_call *call, int64_t begin,
+                                                    int64_t end)
+{
+    const int64_t n = call->n_cols;
+    const FASTLN_T *dy = call->dy;
+    FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
+    double *sum_dy_xhat = call->partials, *sum_dy = call->partials + n;
+    const int unscale = FASTLN_COMPUTE_F32 ? 0 : FASTLN_COLUMN_SCALE;
+    const double scale = ldexp(1.0, -unscale);
+    for (int64_t j = begin; j < end; j++) {
+        sum_dy_xhat[j] = 0.0;
+        if (dbeta) sum_dy[j] = 0.0;
+    }
+    for (int64_t r = 0; r < call->n_rows; r++) {
+        FASTLN_NAME(row_again) again = {0};
+        for (int64_t j = begin; j < end; j++) {
+            const double dy_scaled = FASTLN_NAME(to_double)(dy[r * n + j]) * scale;
+            if (!isfinite((double)dgamma[j]))
+                sum_dy_xhat[j] += dy_scaled * FASTLN_NAME(column_x_hat)(call, r, j, &again);
+            if (dbeta && !isfinite((double)dbeta[j])) sum_dy[j] += dy_scaled;
+        }
+    }
+    for (int64_t j = begin; j < end; j++) {
+        if (!isfinite((double)dgamma[j])) dgamma[j] = (FASTLN_P)ldexp(sum_dy_xhat[j], unscale);
+        if (dbeta && !isfinite((double)dbeta[j])) dbeta[j] = (FASTLN_P)ldexp(sum_dy[j], unscale);
+    }
+}
+
 /* ---- BatchNorm: features whose statistics leave double's range --------------------------
  *
  * Plain loops over one feature's values in memory order (segments of n_inner values,
