@@ -2575,3 +2575,49 @@ def test_a_nan_in_x_leaves_dbeta_as_it_is(dtype):
     _, _, dbeta_clean = fastln.layer_norm_backward(dy, fastln.layer_norm_forward(x)[1])
     assert np.all(np.isnan(dgamma))
     assert_bitwise_equal(dbeta, dbeta_clean, "dbeta")
+
+
+@pytest.mark.parametrize("channel_axis", [1, -1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_group_norm_parameter_sums_of_dy_near_the_largest_value(dtype, channel_axis):
+    """GroupNorm's dgamma and dbeta add each channel's sums over samples: with dy near the
+    type's largest value those overflowed (float64) where the exact sums are finite. Samples
+    come in equal fours, and channel 0's dy cancels over each (+big, +big, -big, -big) but the
+    last; channel 1's exact dbeta lies beyond the type (Inf in both), channel 2 holds a NaN; with
+    eps = 0, a constant group (x_hat = 0) among the samples. float32's sums are in double."""
+    rng = np.random.default_rng(13)
+    n_samples, n_channels, n_spatial, groups = 40, 8, 3, 4
+    big = 1.3e308 if dtype == np.float64 else 2.5e38
+    samples = rng.standard_normal((n_samples // 4, n_channels, n_spatial)) * 3.0 + 1.0
+    samples[2, 2:4] = 7.0
+    x = np.repeat(samples, 4, axis=0)
+    dy = rng.standard_normal((n_samples, n_channels, n_spatial))
+    signs = np.tile([1.0, 1.0, -1.0, -1.0], n_samples // 4)
+    signs[-1] = -0.5
+    dy[:, 0, 0] = big * signs
+    dy[:, 1, :] = big
+    dy[20, 2, 1] = np.nan
+    if channel_axis == -1:
+        x, dy = np.moveaxis(x, 1, -1), np.moveaxis(dy, 1, -1)
+    x, dy = np.ascontiguousarray(x, dtype), np.ascontiguousarray(dy, dtype)
+    gamma = (rng.random(n_channels) + 0.5).astype(dtype)
+
+    def backward(module, num_threads=None):
+        cache = module.group_norm_forward(x, groups, gamma, eps=0.0, channel_axis=channel_axis)[1]
+        return module.group_norm_backward(dy, cache, gamma, num_threads=num_threads)
+
+    expected = backward(ref)
+    serial = backward(fastln, num_threads=1)
+    for name, got, want in zip(("dgamma", "dbeta"), serial[1:], expected[1:]):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), (name, got, want)
+        assert np.array_equal(np.isinf(got), np.isinf(want)), (name, got, want)
+        infinite = np.isinf(want)
+        assert np.array_equal(np.sign(got[infinite]), np.sign(want[infinite])), name
+        finite = np.isfinite(want)
+        assert finite[0] and not finite[2] and (name == "dgamma" or not finite[1]), (name, want)
+        assert_agrees(got, want, (1e-12 if dtype == np.float64 else 1e-6)
+                      * np.abs(np.where(finite, want, 0.0)).max() * 10.0, name)
+    for other in fastln.get_num_threads(), 2:
+        for name, got, want in zip(("dx", "dgamma", "dbeta"), backward(fastln, other), serial):
+            assert_bitwise_equal(got, want, f"{name}, {other} threads")

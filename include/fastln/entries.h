@@ -1089,6 +1089,67 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_apply_channels)(const fastln_gn_call 
     FASTLN_NAME(gn_backward_apply_rows)(dy, x, dx, n_rows, width, C, constants, n_channel_values);
 }
 
+/* x_hat of the value at `at` of group ng, as the backward took it: from the cache's mean and
+ * rstd, or from the group's statistics taken again (*stats, once: *taken) where those do not
+ * give it (an Inf rstd; float64 deviations beyond double). */
+static double FASTLN_NAME(gn_value_x_hat)(const fastln_gn_call *call, int64_t ng, int64_t at,
+                                          fastln_ln_stats *stats, int *taken)
+{
+    const double x = FASTLN_NAME(to_double)(((const FASTLN_T *)call->x)[at]);
+    const double rstd = (double)((const FASTLN_P *)call->rstd)[ng];
+    const double x_hat = (x - (double)((const FASTLN_P *)call->mean)[ng]) * rstd;
+    if (isfinite(x_hat) || !isfinite(x) || isnan(rstd)) return x_hat;
+    if (!*taken) {
+        int64_t offset;
+        const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+        FASTLN_NAME(gn_view_statistics)((const FASTLN_T *)call->x + offset, &view, call->eps,
+                                        stats);
+        *taken = 1;
+    }
+    return FASTLN_NAME(gn_rescaled_x_hat)(((const FASTLN_T *)call->x)[at], stats);
+}
+
+/* The channels whose dgamma or dbeta came out Inf or NaN, summed again as the row backwards'
+ * columns are (column_sums_again, fastln/rare.h): in double, float64 dy scaled by
+ * 2^-FASTLN_COLUMN_SCALE, sample after sample and each sample's values in spatial order, each
+ * sum on its own. Their terms per (sample, channel) or their totals over the samples may have
+ * overflowed where the exact sums are finite. The sums go to sample 0's terms. */
+FASTLN_OUTLINED void FASTLN_NAME(gn_parameter_sums_again)(const fastln_gn_call *call)
+{
+    const int64_t C = call->n_channels, G = call->n_groups, S = call->n_spatial;
+    const int64_t per_group = C / G;
+    const FASTLN_T *dy = call->dy;
+    FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
+    double *sum_dy_xhat = call->channel_scratch;
+    double *sum_dy = sum_dy_xhat + call->n_samples * C;
+    const int unscale = FASTLN_COMPUTE_F32 ? 0 : FASTLN_COLUMN_SCALE;
+    const double scale = ldexp(1.0, -unscale);
+    for (int64_t c = 0; c < C; c++) sum_dy_xhat[c] = sum_dy[c] = 0.0;
+    for (int64_t n = 0; n < call->n_samples; n++)
+        for (int64_t g = 0; g < G; g++) {
+            fastln_ln_stats stats;
+            int taken = 0;
+            for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
+                const int redo_dgamma = !isfinite((double)dgamma[c]);
+                const int redo_dbeta = !isfinite((double)dbeta[c]);
+                if (!redo_dgamma && !redo_dbeta) continue;
+                for (int64_t s = 0; s < S; s++) {
+                    const int64_t at = call->channels_last ? (n * S + s) * C + c
+                                                           : (n * C + c) * S + s;
+                    const double dy_scaled = FASTLN_NAME(to_double)(dy[at]) * scale;
+                    if (redo_dbeta) sum_dy[c] += dy_scaled;
+                    if (redo_dgamma)
+                        sum_dy_xhat[c] += dy_scaled * FASTLN_NAME(gn_value_x_hat)(
+                                                          call, n * G + g, at, &stats, &taken);
+                }
+            }
+        }
+    for (int64_t c = 0; c < C; c++) {
+        if (!isfinite((double)dgamma[c])) dgamma[c] = (FASTLN_P)ldexp(sum_dy_xhat[c], unscale);
+        if (!isfinite((double)dbeta[c])) dbeta[c] = (FASTLN_P)ldexp(sum_dy[c], unscale);
+    }
+}
+
 /* dgamma and dbeta: each channel's terms added in sample order. */
 FASTLN_INLINE void FASTLN_NAME(gn_backward_parameter_sums)(const fastln_gn_call *call)
 {
@@ -1096,6 +1157,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_parameter_sums)(const fastln_gn_call 
     const double *dgamma_terms = call->channel_scratch;
     const double *dbeta_terms = dgamma_terms + n_channel_values;
     FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
+    int not_finite = 0;
     for (int64_t c = 0; c < C; c++) {
         double total_dgamma = 0.0, total_dbeta = 0.0;
         for (int64_t n = 0; n < call->n_samples; n++) {
@@ -1104,7 +1166,9 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_parameter_sums)(const fastln_gn_call 
         }
         dgamma[c] = (FASTLN_P)total_dgamma;
         dbeta[c] = (FASTLN_P)total_dbeta;
+        not_finite |= fastln_not_finite_bits(total_dgamma) | fastln_not_finite_bits(total_dbeta);
     }
+    if (not_finite) FASTLN_NAME(gn_parameter_sums_again)(call);
 }
 
 /* The backward's constants, group by group (the rare groups done here, from x; channels last
