@@ -2621,3 +2621,64 @@ def test_group_norm_parameter_sums_of_dy_near_the_largest_value(dtype, channel_a
     for other in fastln.get_num_threads(), 2:
         for name, got, want in zip(("dx", "dgamma", "dbeta"), backward(fastln, other), serial):
             assert_bitwise_equal(got, want, f"{name}, {other} threads")
+
+
+def _backward_of(module, op, x, dy, eps, num_threads=None):
+    cache = getattr(module, op + "_forward")(x, eps=eps)[1]
+    return getattr(module, op + "_backward")(dy, cache, num_threads=num_threads)
+
+
+def test_float32_sums_that_round_up_past_float_in_runs_are_summed_again():
+    """dbeta's exact sum 3.4028234258e38 rounds to FLT_MAX, but each 16-row float run rounded up
+    to 2^127 and their double total, 2^128, is finite: the check on the double totals let the
+    cast give Inf. The check is on the rounded sums now."""
+    u = 2.0 ** 103
+    dy = np.zeros((32, 2), np.float32)
+    for start in (0, 16):
+        dy[start, 0] = 2.0 ** 127 - 3 * u
+        dy[start + 1:start + 4, 0] = 0.6 * u
+    x = np.random.default_rng(0).standard_normal((32, 2)).astype(np.float32)
+    want = _backward_of(ref, "layer_norm", x, dy, 1e-5)[2]
+    assert np.isfinite(want[0])
+    for num_threads in (1, 2):
+        got = _backward_of(fastln, "layer_norm", x, dy, 1e-5, num_threads)[2]
+        assert_bitwise_equal(got, want.astype(np.float32), "dbeta")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(np.dtype(np.float32), id="float32"),
+                                   pytest.param(BFLOAT16, id="bfloat16", marks=needs_ml_dtypes),
+                                   pytest.param(np.dtype(np.float64), id="float64")])
+def test_rms_norm_all_zero_row_with_eps_0_adds_nothing_to_dgamma(dtype):
+    """An all-zero row with eps = 0 has x_hat = 0 (y = 0): dgamma of its columns gets nothing
+    from it. Its cached rstd is Inf, and x * rstd gave NaN, in the ordinary column sums and in
+    the ones taken again where dy near the largest value made them overflow."""
+    big = 1.7e308 if dtype == np.float64 else 3.0e38
+    x = np.array([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [1.0, 2.0]]).astype(dtype)
+    for dy in (np.array([[big, big], [1.0, 1.0], [big, -big], [-big, 1.0]]),
+               np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])):
+        dy = dy.astype(dtype)
+        want = np.asarray(_backward_of(ref, "rms_norm", x, dy, 0.0)[1], np.float64)
+        got = np.asarray(_backward_of(fastln, "rms_norm", x, dy, 0.0)[1], np.float64)
+        assert np.all(np.isfinite(want)), want
+        assert_agrees(got, want, 1e-6 * np.abs(want), "dgamma")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
+def test_sums_taken_again_centre_rows_of_small_spread(op):
+    """Rows (groups) of spread 3e-12 around 1 with dy near DBL_MAX: the sums taken again used
+    x_hat = (x - cached mean) * rstd, whose rounding of the mean is a thousandth of the spread,
+    without the mean correction the backward applies (dgamma off by 5e-7 of its terms)."""
+    n = 56
+    x = np.ones((5, n))
+    x[:, 0] += 3e-12
+    dy = np.zeros((5, n))
+    dy[:, 0] = np.array([1.0, 1.0, -1.0, -1.0, 0.1]) * 1.5e308
+    if op == "group_norm":  # the same values as 5 samples of one group of n channels
+        x, dy = x[:, :, None], dy[:, :, None]
+        want = ref.group_norm_backward(dy, ref.group_norm_forward(x, 1, eps=0.0)[1])[1]
+        got = fastln.group_norm_backward(dy, fastln.group_norm_forward(x, 1, eps=0.0)[1])[1]
+    else:
+        want = _backward_of(ref, op, x, dy, 0.0)[1]
+        got = _backward_of(fastln, op, x, dy, 0.0)[1]
+    terms = np.abs(want[0]) * 41.0  # rows 0-3 cancel; row 4 is a tenth of each of them
+    assert np.isfinite(want[0]) and abs(got[0] - want[0]) <= 1e-13 * terms, (got[0], want[0])

@@ -190,7 +190,7 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
             const double *partial = call->partials + sum * n;
             for (int64_t j = begin; j < end; j++) {
                 out[j] = (FASTLN_P)partial[j];
-                not_finite |= fastln_not_finite_bits(partial[j]);
+                not_finite |= FASTLN_NAME(parameter_not_finite)(out[j]);
             }
             continue;
         }
@@ -206,12 +206,12 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
             }
             for (int64_t k = 0; k < width; k++) {
                 out[j0 + k] = (FASTLN_P)total[k];
-                not_finite |= fastln_not_finite_bits(total[k]);
+                not_finite |= FASTLN_NAME(parameter_not_finite)(out[j0 + k]);
             }
         }
     }
-    /* A sum that is not finite may have overflowed on the way (rare.h). A finite double sum
-     * beyond float's range is the exact sum's overflow, not the accumulators'. */
+    /* A sum that is not finite may have overflowed on the way (rare.h): also a float32 one
+     * whose double total is finite, its float runs having rounded up past float's range. */
     if (not_finite) FASTLN_NAME(column_sums_again)(call, begin, end);
 }
 
@@ -1089,24 +1089,42 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_apply_channels)(const fastln_gn_call 
     FASTLN_NAME(gn_backward_apply_rows)(dy, x, dx, n_rows, width, C, constants, n_channel_values);
 }
 
-/* x_hat of the value at `at` of group ng, as the backward took it: from the cache's mean and
- * rstd, or from the group's statistics taken again (*stats, once: *taken) where those do not
- * give it (an Inf rstd; float64 deviations beyond double). */
+/* What gn_value_x_hat needs of a group, taken once per group (as row_again, fastln/rare.h):
+ * the mean of its deviations from the cache's mean, and, where the cache's mean and rstd do
+ * not give x_hat (an Inf rstd; float64 deviations beyond double), its statistics taken again
+ * the careful way. */
+typedef struct {
+    int corrected, taken;
+    double correction;
+    fastln_ln_stats stats;
+} FASTLN_NAME(group_again);
+
+/* x_hat of the value at `at` of group ng, as the backward takes it: ((x - mean) - correction)
+ * * rstd, or from the careful statistics (0 for a constant group). */
 static double FASTLN_NAME(gn_value_x_hat)(const fastln_gn_call *call, int64_t ng, int64_t at,
-                                          fastln_ln_stats *stats, int *taken)
+                                          FASTLN_NAME(group_again) *again)
 {
-    const double x = FASTLN_NAME(to_double)(((const FASTLN_T *)call->x)[at]);
+    const FASTLN_T *x = call->x;
+    const double value = FASTLN_NAME(to_double)(x[at]);
+    const double mean = (double)((const FASTLN_P *)call->mean)[ng];
     const double rstd = (double)((const FASTLN_P *)call->rstd)[ng];
-    const double x_hat = (x - (double)((const FASTLN_P *)call->mean)[ng]) * rstd;
-    if (isfinite(x_hat) || !isfinite(x) || isnan(rstd)) return x_hat;
-    if (!*taken) {
-        int64_t offset;
-        const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
-        FASTLN_NAME(gn_view_statistics)((const FASTLN_T *)call->x + offset, &view, call->eps,
-                                        stats);
-        *taken = 1;
+    int64_t offset;
+    const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
+    if (!again->corrected) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < view.n_rows; r++)
+            for (int64_t j = 0; j < view.width; j++)
+                sum += FASTLN_NAME(to_double)(x[offset + r * view.stride + j]) - mean;
+        again->correction = sum / (double)(view.n_rows * view.width);
+        again->corrected = 1;
     }
-    return FASTLN_NAME(gn_rescaled_x_hat)(((const FASTLN_T *)call->x)[at], stats);
+    const double x_hat = ((value - mean) - again->correction) * rstd;
+    if (isfinite(x_hat) || !isfinite(value) || isnan(rstd)) return x_hat;
+    if (!again->taken) {
+        FASTLN_NAME(gn_view_statistics)(x + offset, &view, call->eps, &again->stats);
+        again->taken = 1;
+    }
+    return FASTLN_NAME(gn_rescaled_x_hat)(x[at], &again->stats);
 }
 
 /* The channels whose dgamma or dbeta came out Inf or NaN, summed again as the row backwards'
@@ -1127,8 +1145,7 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_parameter_sums_again)(const fastln_gn_call *
     for (int64_t c = 0; c < C; c++) sum_dy_xhat[c] = sum_dy[c] = 0.0;
     for (int64_t n = 0; n < call->n_samples; n++)
         for (int64_t g = 0; g < G; g++) {
-            fastln_ln_stats stats;
-            int taken = 0;
+            FASTLN_NAME(group_again) again = {0};
             for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
                 const int redo_dgamma = !isfinite((double)dgamma[c]);
                 const int redo_dbeta = !isfinite((double)dbeta[c]);
@@ -1140,7 +1157,7 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_parameter_sums_again)(const fastln_gn_call *
                     if (redo_dbeta) sum_dy[c] += dy_scaled;
                     if (redo_dgamma)
                         sum_dy_xhat[c] += dy_scaled * FASTLN_NAME(gn_value_x_hat)(
-                                                          call, n * G + g, at, &stats, &taken);
+                                                          call, n * G + g, at, &again);
                 }
             }
         }
@@ -1166,7 +1183,8 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_parameter_sums)(const fastln_gn_call 
         }
         dgamma[c] = (FASTLN_P)total_dgamma;
         dbeta[c] = (FASTLN_P)total_dbeta;
-        not_finite |= fastln_not_finite_bits(total_dgamma) | fastln_not_finite_bits(total_dbeta);
+        not_finite |= FASTLN_NAME(parameter_not_finite)(dgamma[c])
+                      | FASTLN_NAME(parameter_not_finite)(dbeta[c]);
     }
     if (not_finite) FASTLN_NAME(gn_parameter_sums_again)(call);
 }

@@ -232,17 +232,22 @@ static int FASTLN_NAME(rms_backward_row_recomputed)(
  * again. */
 #define FASTLN_COLUMN_SCALE 128
 
-/* The statistics of a row taken again from x, for the rows whose x_hat the cache's mean and
- * rstd do not give: an Inf rstd (a spread beyond the cache's range, or a constant row with
- * eps = 0), or float64 deviations beyond double. */
+/* What column_x_hat needs of a row, taken once per row: the mean of its deviations from the
+ * cache's mean (which may be rounded to float32; the backward's own correction), and, for the
+ * rows whose x_hat the cache's mean and rstd do not give (an Inf rstd: a spread beyond the
+ * cache's range, a constant row with eps = 0; float64 deviations beyond double), the row's
+ * statistics taken again from x. */
 typedef struct {
-    int taken;
+    int corrected, taken;
+    double correction;
     fastln_ln_stats ln;         /* LayerNorm */
     double rms_rstd_scaled;     /* RMSNorm: x_hat = ldexp(x, rms_exponent) * rms_rstd_scaled */
     int rms_exponent;
 } FASTLN_NAME(row_again);
 
-/* x_hat of element j of row r, as the backward took it (rare.h's rows included). */
+/* x_hat of element j of row r, as the backward takes it: ((x - mean) - correction) * rstd
+ * (x * rstd for RMSNorm), or from the row's statistics taken again: 0 for a constant row (an
+ * all-zero one for RMSNorm), as the forward wrote beta (0). */
 static double FASTLN_NAME(column_x_hat)(const fastln_rows_call *call, int64_t r, int64_t j,
                                         FASTLN_NAME(row_again) *again)
 {
@@ -250,8 +255,19 @@ static double FASTLN_NAME(column_x_hat)(const fastln_rows_call *call, int64_t r,
     const FASTLN_T *row = (const FASTLN_T *)call->x + r * n;
     const double x = FASTLN_NAME(to_double)(row[j]);
     const double rstd = (double)((const FASTLN_P *)call->rstd)[r];
-    const double mean = call->mean ? (double)((const FASTLN_P *)call->mean)[r] : 0.0;
-    const double x_hat = (x - mean) * rstd;
+    double x_hat;
+    if (call->mean) {
+        const double mean = (double)((const FASTLN_P *)call->mean)[r];
+        if (!again->corrected) {
+            double sum = 0.0;
+            for (int64_t k = 0; k < n; k++) sum += FASTLN_NAME(to_double)(row[k]) - mean;
+            again->correction = sum / (double)n;
+            again->corrected = 1;
+        }
+        x_hat = ((x - mean) - again->correction) * rstd;
+    } else {
+        x_hat = x * rstd;
+    }
     if (isfinite(x_hat) || !isfinite(x) || isnan(rstd)) return x_hat;
     if (!again->taken) {
         again->taken = 1;
@@ -261,11 +277,24 @@ static double FASTLN_NAME(column_x_hat)(const fastln_rows_call *call, int64_t r,
             again->rms_rstd_scaled =
                 FASTLN_NAME(rms_rescaled_rstd)(row, n, call->eps, &again->rms_exponent);
     }
-    if (!call->mean) return ldexp(x, again->rms_exponent) * again->rms_rstd_scaled;
+    if (!call->mean) {
+        if (isinf(again->rms_rstd_scaled)) return 0.0; /* all zeros with eps = 0 */
+        return ldexp(x, again->rms_exponent) * again->rms_rstd_scaled;
+    }
     const fastln_ln_stats *stats = &again->ln;
-    if (stats->var == 0.0) return 0.0; /* a constant row: y = beta, x_hat = 0 */
+    if (stats->var == 0.0) return 0.0;
     if (stats->rare) return fastln_ln_rare_x_hat(x, stats);
     return ((x - stats->shift) - stats->mean_shifted) * stats->rstd;
+}
+
+/* Whether a parameter-type value is Inf or NaN, as integer operations (fastln_not_finite_bits). */
+FASTLN_INLINE int FASTLN_NAME(parameter_not_finite)(FASTLN_P v)
+{
+#if FASTLN_COMPUTE_F32
+    return fastln_not_finite_float_bits(v);
+#else
+    return fastln_not_finite_bits(v);
+#endif
 }
 
 /* Columns [begin, end) of dgamma and dbeta summed again where they are not finite (each sum on
