@@ -235,7 +235,7 @@ def set_default_num_threads(int num_threads):
 # The driver: every phase of every operation runs through _run
 # ---------------------------------------------------------------------------------------------
 
-# Row normalizations below MIN_ELEMENTS_FOR_NOGIL elements keep the GIL: releasing and taking it
+# Calls below MIN_ELEMENTS_FOR_NOGIL elements (every op) keep the GIL: releasing and taking it
 # back costs about as much as their arithmetic (docs/performance.md, "Small calls keep the GIL";
 # NumPy's loops keep it below 500 elements). Below MIN_ELEMENTS_FOR_THREADS elements a call runs
 # on the calling thread: handing parts to a worker costs more than the work (see
@@ -622,20 +622,30 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     cdef int64_t n_elements = n_outer * n_features * n_inner
     if n_elements < BN_FORWARD_MIN_ELEMENTS_FOR_THREADS:
         num_threads = 1
-    with nogil:
-        if training:
-            _run(_task(storage, FASTLN_BN_FIRST_VALUES), &call, 1, 0, 1)
-            _run(_task(storage, FASTLN_BN_STATISTICS), &call, call.n_blocks * call.n_chunks,
-                 n_elements, num_threads)
-            _run(_task(storage, FASTLN_BN_TRAIN_CONSTANTS), &call, 1, 0, 1)
-        else:
-            _run(_task(storage, FASTLN_BN_EVAL_CONSTANTS), &call, 1, 0, 1)
-        _run(_task(storage, FASTLN_BN_APPLY), &call, call.n_units, n_elements, num_threads)
-        if call.n_finish[0] > 0:
-            _run(_task(storage, FASTLN_BN_FINISH_RESCALED), &call, 1, 0, 1)
+    if n_elements < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
+        _batch_norm_phases(&call, training, storage, n_elements, num_threads)
+    else:
+        with nogil:
+            _batch_norm_phases(&call, training, storage, n_elements, num_threads)
     free(scratch)
     free(call.partials)
     free(widened)
+
+
+cdef void _batch_norm_phases(fastln_bn_call *call, bint training, int storage,
+                             int64_t n_elements, int num_threads) noexcept nogil:
+    """A BatchNorm forward's phases: the statistics (training) or the running ones' constants,
+    the apply, and the features the rare path passed on."""
+    if training:
+        _run(_task(storage, FASTLN_BN_FIRST_VALUES), call, 1, 0, 1)
+        _run(_task(storage, FASTLN_BN_STATISTICS), call, call.n_blocks * call.n_chunks,
+             n_elements, num_threads)
+        _run(_task(storage, FASTLN_BN_TRAIN_CONSTANTS), call, 1, 0, 1)
+    else:
+        _run(_task(storage, FASTLN_BN_EVAL_CONSTANTS), call, 1, 0, 1)
+    _run(_task(storage, FASTLN_BN_APPLY), call, call.n_units, n_elements, num_threads)
+    if call.n_finish[0] > 0:
+        _run(_task(storage, FASTLN_BN_FINISH_RESCALED), call, 1, 0, 1)
 
 
 def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarray dgamma,
@@ -687,23 +697,35 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     if float_apply:
         call.float_constants = <float*>(_features(scratch, n_features, 11) + 1)
     cdef int64_t n_elements = n_outer * n_features * n_inner
-    with nogil:
-        if n_inner > 1 and call.n_blocks == 1:
-            # each feature's phases at once, while its values are in cache
-            _run(_task(storage, FASTLN_BN_BACKWARD_FEATURES), &call, n_features, n_elements,
-                 num_threads)
-            _run(_task(storage, FASTLN_BN_BACKWARD_WAITING), &call, 1, 0, 1)
-        else:
-            _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), &call, call.n_blocks * call.n_chunks,
-                 n_elements, num_threads)
-            _run(_task(storage, FASTLN_BN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
-            _run(_task(storage, FASTLN_BN_BACKWARD_APPLY), &call, call.n_units, n_elements,
-                 num_threads)
-        if call.n_finish[0] > 0:
-            _run(_task(storage, FASTLN_BN_BACKWARD_FINISH_RESCALED), &call, 1, 0, 1)
+    if n_elements < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
+        _batch_norm_backward_phases(&call, n_features, n_inner, storage, n_elements, num_threads)
+    else:
+        with nogil:
+            _batch_norm_backward_phases(&call, n_features, n_inner, storage, n_elements,
+                                        num_threads)
     free(scratch)
     free(call.partials)
     free(widened)
+
+
+cdef void _batch_norm_backward_phases(fastln_bn_call *call, int64_t n_features, int64_t n_inner,
+                                      int storage, int64_t n_elements,
+                                      int num_threads) noexcept nogil:
+    """A BatchNorm backward's phases: the sums, the constants and dx, then the features the
+    rare path passed on."""
+    if n_inner > 1 and call.n_blocks == 1:
+        # each feature's phases at once, while its values are in cache
+        _run(_task(storage, FASTLN_BN_BACKWARD_FEATURES), call, n_features, n_elements,
+             num_threads)
+        _run(_task(storage, FASTLN_BN_BACKWARD_WAITING), call, 1, 0, 1)
+    else:
+        _run(_task(storage, FASTLN_BN_BACKWARD_SUMS), call, call.n_blocks * call.n_chunks,
+             n_elements, num_threads)
+        _run(_task(storage, FASTLN_BN_BACKWARD_CONSTANTS), call, 1, 0, 1)
+        _run(_task(storage, FASTLN_BN_BACKWARD_APPLY), call, call.n_units, n_elements,
+             num_threads)
+    if call.n_finish[0] > 0:
+        _run(_task(storage, FASTLN_BN_BACKWARD_FINISH_RESCALED), call, 1, 0, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -772,22 +794,30 @@ def group_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, 
     call.mean = <void*>_data(mean)
     call.rstd = <void*>_data(rstd)
     cdef int64_t n_elements = n_samples * n_channels * n_spatial
-    cdef int64_t n_group_tasks = n_samples * n_groups
-    cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(&call, 0)
-    with nogil:
-        # A task per group keeps each group in cache from its sums to its write; with fewer
-        # groups than threads can share out evenly, the same sums go by pieces instead.
-        if not channels_last and (call.n_pieces == 1 or n_group_tasks >= 4 * num_threads):
-            _run(_task(storage, FASTLN_GN_FORWARD_GROUPS), &call, n_group_tasks, n_elements,
-                 num_threads)
-        else:
-            _run(_task(storage, FASTLN_GN_STATISTICS), &call, n_piece_tasks, n_elements,
-                 num_threads)
-            _run(_task(storage, FASTLN_GN_FINISH_STATISTICS), &call, n_group_tasks, 0, 1)
-            _run(_task(storage, FASTLN_GN_APPLY), &call, n_piece_tasks, n_elements, num_threads)
-            if channels_last:
-                _run(_task(storage, FASTLN_GN_FINISH_RARE), &call, 1, 0, 1)
+    if n_elements < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
+        _group_norm_phases(&call, storage, n_elements, num_threads)
+    else:
+        with nogil:
+            _group_norm_phases(&call, storage, n_elements, num_threads)
     _gn_free(&call)
+
+
+cdef void _group_norm_phases(fastln_gn_call *call, int storage, int64_t n_elements,
+                             int num_threads) noexcept nogil:
+    """A GroupNorm forward's phases. A task per group keeps each group in cache from its sums
+    to its write; with fewer groups than threads can share out evenly, the same sums go by
+    pieces instead."""
+    cdef int64_t n_group_tasks = call.n_samples * call.n_groups
+    cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(call, 0)
+    if not call.channels_last and (call.n_pieces == 1 or n_group_tasks >= 4 * num_threads):
+        _run(_task(storage, FASTLN_GN_FORWARD_GROUPS), call, n_group_tasks, n_elements,
+             num_threads)
+    else:
+        _run(_task(storage, FASTLN_GN_STATISTICS), call, n_piece_tasks, n_elements, num_threads)
+        _run(_task(storage, FASTLN_GN_FINISH_STATISTICS), call, n_group_tasks, 0, 1)
+        _run(_task(storage, FASTLN_GN_APPLY), call, n_piece_tasks, n_elements, num_threads)
+        if call.channels_last:
+            _run(_task(storage, FASTLN_GN_FINISH_RARE), call, 1, 0, 1)
 
 
 def group_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray mean,
@@ -808,23 +838,32 @@ def group_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
     call.dgamma = cnp.PyArray_DATA(dgamma)
     call.dbeta = cnp.PyArray_DATA(dbeta)
     cdef int64_t n_elements = n_samples * n_channels * n_spatial
-    cdef int64_t n_group_tasks = n_samples * n_groups
-    cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(&call, 1)
     cdef int64_t group_bytes = 2 * fastln_gn_group_size(&call) * cnp.PyArray_ITEMSIZE(x)
-    with nogil:
-        # As the forward: a task per group while there are groups enough to share out.
-        if (not channels_last and group_bytes <= GN_MAX_GROUP_BYTES_IN_CACHE
-                and (call.n_pieces == 1 or n_group_tasks >= 4 * num_threads)):
-            _run(_task(storage, FASTLN_GN_BACKWARD_GROUPS), &call, n_group_tasks, n_elements,
-                 num_threads)
-            _run(_task(storage, FASTLN_GN_BACKWARD_PARAMETERS), &call, 1, 0, 1)
-        else:
-            _run(_task(storage, FASTLN_GN_BACKWARD_SUMS), &call, n_piece_tasks, n_elements,
-                 num_threads)
-            _run(_task(storage, FASTLN_GN_BACKWARD_CONSTANTS), &call, 1, 0, 1)
-            _run(_task(storage, FASTLN_GN_BACKWARD_APPLY), &call, n_piece_tasks, n_elements,
-                 num_threads)
+    if n_elements < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
+        _group_norm_backward_phases(&call, storage, n_elements, group_bytes, num_threads)
+    else:
+        with nogil:
+            _group_norm_backward_phases(&call, storage, n_elements, group_bytes, num_threads)
     _gn_free(&call)
+
+
+cdef void _group_norm_backward_phases(fastln_gn_call *call, int storage, int64_t n_elements,
+                                      int64_t group_bytes, int num_threads) noexcept nogil:
+    """A GroupNorm backward's phases; as the forward, a task per group while there are
+    groups enough to share out (and a group's dy and x fit the cache)."""
+    cdef int64_t n_group_tasks = call.n_samples * call.n_groups
+    cdef int64_t n_piece_tasks = fastln_gn_piece_tasks(call, 1)
+    if (not call.channels_last and group_bytes <= GN_MAX_GROUP_BYTES_IN_CACHE
+            and (call.n_pieces == 1 or n_group_tasks >= 4 * num_threads)):
+        _run(_task(storage, FASTLN_GN_BACKWARD_GROUPS), call, n_group_tasks, n_elements,
+             num_threads)
+        _run(_task(storage, FASTLN_GN_BACKWARD_PARAMETERS), call, 1, 0, 1)
+    else:
+        _run(_task(storage, FASTLN_GN_BACKWARD_SUMS), call, n_piece_tasks, n_elements,
+             num_threads)
+        _run(_task(storage, FASTLN_GN_BACKWARD_CONSTANTS), call, 1, 0, 1)
+        _run(_task(storage, FASTLN_GN_BACKWARD_APPLY), call, n_piece_tasks, n_elements,
+             num_threads)
 
 
 # ---------------------------------------------------------------------------------------------
