@@ -2502,6 +2502,14 @@ def test_batch_norm_backward_when_coef_alone_overflows():
     assert_agrees(dx, expected, 1e-9 * np.abs(expected).max(), "dx")
 
 
+def assert_same_non_finite(got, want, name):
+    """NaN where want is NaN, and infinities of want's signs where want is infinite."""
+    assert np.array_equal(np.isnan(got), np.isnan(want)), (name, got, want)
+    assert np.array_equal(np.isinf(got), np.isinf(want)), (name, got, want)
+    infinite = np.isinf(want)
+    assert np.array_equal(np.sign(got[infinite]), np.sign(want[infinite])), name
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(np.dtype(np.float32), id="float32"),
                                    pytest.param(BFLOAT16, id="bfloat16", marks=needs_ml_dtypes),
                                    pytest.param(np.dtype(np.float64), id="float64")])
@@ -2545,10 +2553,7 @@ def test_sums_over_rows_of_dy_near_the_largest_value(op, dtype):
         if name == "dx":
             continue  # dx near the largest value: docs/api.md, Accurate
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.array_equal(np.isnan(got), np.isnan(want)), (name, got, want)
-        assert np.array_equal(np.isinf(got), np.isinf(want)), (name, got, want)
-        infinite = np.isinf(want)
-        assert np.array_equal(np.sign(got[infinite]), np.sign(want[infinite])), name
+        assert_same_non_finite(got, want, name)
         finite = np.isfinite(want)
         assert finite[0] and not finite[1] and not finite[2], (name, want)
         # each sum within a few roundings of the sum of its terms' magnitudes
@@ -2610,10 +2615,7 @@ def test_group_norm_parameter_sums_of_dy_near_the_largest_value(dtype, channel_a
     serial = backward(fastln, num_threads=1)
     for name, got, want in zip(("dgamma", "dbeta"), serial[1:], expected[1:]):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.array_equal(np.isnan(got), np.isnan(want)), (name, got, want)
-        assert np.array_equal(np.isinf(got), np.isinf(want)), (name, got, want)
-        infinite = np.isinf(want)
-        assert np.array_equal(np.sign(got[infinite]), np.sign(want[infinite])), name
+        assert_same_non_finite(got, want, name)
         finite = np.isfinite(want)
         assert finite[0] and not finite[2] and (name == "dgamma" or not finite[1]), (name, want)
         assert_agrees(got, want, (1e-12 if dtype == np.float64 else 1e-6)
