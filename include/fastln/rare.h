@@ -299,8 +299,8 @@ FASTLN_INLINE int FASTLN_NAME(parameter_not_finite)(FASTLN_P v)
 
 /* Columns [begin, end) of dgamma and dbeta summed again where they are not finite (each sum on
  * its own: a NaN in x makes its columns' dgamma NaN and leaves their dbeta as it is). The sums
- * go to block 0's partials of these columns, which the column sums have read. Out of line:
- * inlined, it made the column sums of a single row several percent slower. */
+ * go to block 0's partials of these columns, which the column sums have read. Out of line,
+ * as a rare path: the column sums around its call stay the small loops they were. */
 FASTLN_OUTLINED void FASTLN_NAME(column_sums_again)(const fastln_rows_call *call, int64_t begin,
                                                     int64_t end)
 {
