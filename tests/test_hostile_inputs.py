@@ -2684,3 +2684,18 @@ def test_sums_taken_again_centre_rows_of_small_spread(op):
         got = _backward_of(fastln, op, x, dy, 0.0)[1]
     terms = np.abs(want[0]) * 41.0  # rows 0-3 cancel; row 4 is a tenth of each of them
     assert np.isfinite(want[0]) and abs(got[0] - want[0]) <= 1e-13 * terms, (got[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_of_one_value_with_eps_0_and_gamma_give_nan_as_the_reference(dtype):
+    """A row of one value is constant: with eps = 0 its rstd is Inf and dx = rstd * (dx_hat -
+    mean(dx_hat)) = Inf * 0, NaN (the reference and PyTorch). fastln took mean(dx_hat) from the
+    float32 first pass and dx_hat in double, whose rounding difference made it +-Inf."""
+    x = np.array([[1001.447], [1001.3924]], dtype)
+    dy = np.array([[0.3], [-1.2]], dtype)
+    gamma = np.array([0.7], dtype)
+    want = ref.layer_norm_backward(dy, ref.layer_norm_forward(x, gamma, eps=0.0)[1], gamma)[0]
+    got = fastln.layer_norm_backward(dy, fastln.layer_norm_forward(x, gamma, eps=0.0)[1],
+                                     gamma)[0]
+    assert np.all(np.isnan(want))
+    assert np.all(np.isnan(got)), got

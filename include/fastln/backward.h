@@ -735,7 +735,7 @@ FASTLN_INLINE void FASTLN_NAME(ln_backward_row_from_sums)(
     if (!isfinite(sums->total_dxhat_xhat)) {
         if (streamed) fastln_shared_line_put(streamed);
         if (FASTLN_NAME(ln_backward_row_rare)(dy, x, gamma, dx, n_cols, sums->rstd, eps,
-                                              sums->total_dxhat, dgamma_acc, dbeta_acc))
+                                              dgamma_acc, dbeta_acc))
             return;
     }
 #if !FASTLN_COMPUTE_F32

@@ -108,7 +108,7 @@ static void FASTLN_NAME(ln_backward_row_recomputed)(
  * has), 1 when the row is done here. */
 static int FASTLN_NAME(ln_backward_row_rare)(
     const FASTLN_T *dy, const FASTLN_T *x, const FASTLN_P *gamma, FASTLN_T *dx, int64_t n_cols,
-    double rstd, double eps, double total_dxhat, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc)
+    double rstd, double eps, FASTLN_P *dgamma_acc, FASTLN_P *dbeta_acc)
 {
     if (isnan(rstd)) return 0;
     const FASTLN_C first = FASTLN_NAME(to_compute)(x[0]);
@@ -122,9 +122,14 @@ static int FASTLN_NAME(ln_backward_row_rare)(
         /* A constant row with eps = 0 (or with an eps so small that 1 / sqrt(eps) is beyond a
          * float32 cache): the forward wrote beta (x_hat = 0), so dgamma gets nothing from it and
          * dx = rstd * (dx_hat - mean(dx_hat)) with the row's true rstd, 1 / sqrt(eps): infinite
-         * or NaN with eps = 0, 0 where dy is constant. */
+         * or NaN with eps = 0, 0 where dy is constant. mean(dx_hat) is taken here from the
+         * same double dx_hat as each term (the first pass's may be float32 runs): a row of one
+         * value gives 0 * rstd (NaN with eps = 0, as in the reference), not a rounding
+         * difference times Inf. */
         const double n = (double)n_cols;
         const double row_rstd = 1.0 / sqrt(eps);
+        double total_dxhat = 0.0;
+        for (int64_t j = 0; j < n_cols; j++) total_dxhat += FASTLN_NAME(dx_hat)(dy, gamma, j);
         for (int64_t j = 0; j < n_cols; j++) {
             const double dy_j = FASTLN_NAME(to_double)(dy[j]);
             dgamma_acc[j] += (FASTLN_P)(dy_j * 0.0); /* x_hat = 0; NaN in dy stays NaN */
