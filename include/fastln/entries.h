@@ -1089,42 +1089,16 @@ FASTLN_INLINE void FASTLN_NAME(gn_backward_apply_channels)(const fastln_gn_call 
     FASTLN_NAME(gn_backward_apply_rows)(dy, x, dx, n_rows, width, C, constants, n_channel_values);
 }
 
-/* What gn_value_x_hat needs of a group, taken once per group (as row_again, fastln/rare.h):
- * the mean of its deviations from the cache's mean, and, where the cache's mean and rstd do
- * not give x_hat (an Inf rstd; float64 deviations beyond double), its statistics taken again
- * the careful way. */
-typedef struct {
-    int corrected, taken;
-    double correction;
-    fastln_ln_stats stats;
-} FASTLN_NAME(group_again);
-
-/* x_hat of the value at `at` of group ng, as the backward takes it: ((x - mean) - correction)
- * * rstd, or from the careful statistics (0 for a constant group). */
+/* x_hat of the value at `at` of group ng, as the backward takes it (values_x_hat, rare.h). */
 static double FASTLN_NAME(gn_value_x_hat)(const fastln_gn_call *call, int64_t ng, int64_t at,
-                                          FASTLN_NAME(group_again) *again)
+                                          FASTLN_NAME(values_again) *again)
 {
     const FASTLN_T *x = call->x;
-    const double value = FASTLN_NAME(to_double)(x[at]);
-    const double mean = (double)((const FASTLN_P *)call->mean)[ng];
-    const double rstd = (double)((const FASTLN_P *)call->rstd)[ng];
     int64_t offset;
     const fastln_gn_view view = FASTLN_NAME(gn_view_of)(call, ng, &offset);
-    if (!again->corrected) {
-        double sum = 0.0;
-        for (int64_t r = 0; r < view.n_rows; r++)
-            for (int64_t j = 0; j < view.width; j++)
-                sum += FASTLN_NAME(to_double)(x[offset + r * view.stride + j]) - mean;
-        again->correction = sum / (double)(view.n_rows * view.width);
-        again->corrected = 1;
-    }
-    const double x_hat = ((value - mean) - again->correction) * rstd;
-    if (isfinite(x_hat) || !isfinite(value) || isnan(rstd)) return x_hat;
-    if (!again->taken) {
-        FASTLN_NAME(gn_view_statistics)(x + offset, &view, call->eps, &again->stats);
-        again->taken = 1;
-    }
-    return FASTLN_NAME(gn_rescaled_x_hat)(x[at], &again->stats);
+    return FASTLN_NAME(values_x_hat)(x + offset, &view, (double)((const FASTLN_P *)call->mean)[ng],
+                                     (double)((const FASTLN_P *)call->rstd)[ng], call->eps, x[at],
+                                     again);
 }
 
 /* The channels whose dgamma or dbeta came out Inf or NaN, summed again as the row backwards'
@@ -1145,7 +1119,7 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_parameter_sums_again)(const fastln_gn_call *
     for (int64_t c = 0; c < C; c++) sum_dy_xhat[c] = sum_dy[c] = 0.0;
     for (int64_t n = 0; n < call->n_samples; n++)
         for (int64_t g = 0; g < G; g++) {
-            FASTLN_NAME(group_again) again = {0};
+            FASTLN_NAME(values_again) again = {0};
             for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
                 const int redo_dgamma = !isfinite((double)dgamma[c]);
                 const int redo_dbeta = !isfinite((double)dbeta[c]);

@@ -225,115 +225,6 @@ static int FASTLN_NAME(rms_backward_row_recomputed)(
     return 1;
 }
 
-/* ---- The row backwards' sums over rows (dgamma, dbeta) beyond their accumulators' range ----
- * dgamma = sum(dy * x_hat) and dbeta = sum(dy) per column are accumulated in float runs (the
- * float32-compute types) or in double (float64), and both overflow when dy comes within a
- * factor of the number of rows of the type's largest value, even where the exact sum is
- * finite. A column whose dgamma or dbeta came out Inf or NaN is summed again here, in double,
- * row after row in row order (the same order for any thread count), float64 dy scaled by
- * 2^-FASTLN_COLUMN_SCALE first (exact but for values below 2^-946, far under the sums' last
- * digits; |x_hat| <= sqrt(n_cols), so no sum of fewer than 2^64 rows can overflow), and the
- * scale taken out at the end. A column with NaN or Inf among its inputs comes out NaN or Inf
- * again. */
-#define FASTLN_COLUMN_SCALE 128
-
-/* What column_x_hat needs of a row, taken once per row: the mean of its deviations from the
- * cache's mean (which may be rounded to float32; the backward's own correction), and, for the
- * rows whose x_hat the cache's mean and rstd do not give (an Inf rstd: a spread beyond the
- * cache's range, a constant row with eps = 0; float64 deviations beyond double), the row's
- * statistics taken again from x. */
-typedef struct {
-    int corrected, taken;
-    double correction;
-    fastln_ln_stats ln;         /* LayerNorm */
-    double rms_rstd_scaled;     /* RMSNorm: x_hat = ldexp(x, rms_exponent) * rms_rstd_scaled */
-    int rms_exponent;
-} FASTLN_NAME(row_again);
-
-/* x_hat of element j of row r, as the backward takes it: ((x - mean) - correction) * rstd
- * (x * rstd for RMSNorm), or from the row's statistics taken again: 0 for a constant row (an
- * all-zero one for RMSNorm), as the forward wrote beta (0). */
-static double FASTLN_NAME(column_x_hat)(const fastln_rows_call *call, int64_t r, int64_t j,
-                                        FASTLN_NAME(row_again) *again)
-{
-    const int64_t n = call->n_cols;
-    const FASTLN_T *row = (const FASTLN_T *)call->x + r * n;
-    const double x = FASTLN_NAME(to_double)(row[j]);
-    const double rstd = (double)((const FASTLN_P *)call->rstd)[r];
-    double x_hat;
-    if (call->mean) {
-        const double mean = (double)((const FASTLN_P *)call->mean)[r];
-        if (!again->corrected) {
-            double sum = 0.0;
-            for (int64_t k = 0; k < n; k++) sum += FASTLN_NAME(to_double)(row[k]) - mean;
-            again->correction = sum / (double)n;
-            again->corrected = 1;
-        }
-        x_hat = ((x - mean) - again->correction) * rstd;
-    } else {
-        x_hat = x * rstd;
-    }
-    if (isfinite(x_hat) || !isfinite(x) || isnan(rstd)) return x_hat;
-    if (!again->taken) {
-        again->taken = 1;
-        if (call->mean)
-            FASTLN_NAME(ln_statistics)(row, n, call->eps, &again->ln);
-        else
-            again->rms_rstd_scaled =
-                FASTLN_NAME(rms_rescaled_rstd)(row, n, call->eps, &again->rms_exponent);
-    }
-    if (!call->mean) {
-        if (isinf(again->rms_rstd_scaled)) return 0.0; /* all zeros with eps = 0 */
-        return ldexp(x, again->rms_exponent) * again->rms_rstd_scaled;
-    }
-    const fastln_ln_stats *stats = &again->ln;
-    if (stats->var == 0.0) return 0.0;
-    if (stats->rare) return fastln_ln_rare_x_hat(x, stats);
-    return ((x - stats->shift) - stats->mean_shifted) * stats->rstd;
-}
-
-/* Whether a parameter-type value is Inf or NaN, as integer operations (fastln_not_finite_bits). */
-FASTLN_INLINE int FASTLN_NAME(parameter_not_finite)(FASTLN_P v)
-{
-#if FASTLN_COMPUTE_F32
-    return fastln_not_finite_float_bits(v);
-#else
-    return fastln_not_finite_bits(v);
-#endif
-}
-
-/* Columns [begin, end) of dgamma and dbeta summed again where they are not finite (each sum on
- * its own: a NaN in x makes its columns' dgamma NaN and leaves their dbeta as it is). The sums
- * go to block 0's partials of these columns, which the column sums have read. Out of line,
- * as a rare path: the column sums around its call stay the small loops they were. */
-FASTLN_OUTLINED void FASTLN_NAME(column_sums_again)(const fastln_rows_call *call, int64_t begin,
-                                                    int64_t end)
-{
-    const int64_t n = call->n_cols;
-    const FASTLN_T *dy = call->dy;
-    FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
-    double *sum_dy_xhat = call->partials, *sum_dy = call->partials + n;
-    const int unscale = FASTLN_COMPUTE_F32 ? 0 : FASTLN_COLUMN_SCALE;
-    const double scale = ldexp(1.0, -unscale);
-    for (int64_t j = begin; j < end; j++) {
-        sum_dy_xhat[j] = 0.0;
-        if (dbeta) sum_dy[j] = 0.0;
-    }
-    for (int64_t r = 0; r < call->n_rows; r++) {
-        FASTLN_NAME(row_again) again = {0};
-        for (int64_t j = begin; j < end; j++) {
-            const double dy_scaled = FASTLN_NAME(to_double)(dy[r * n + j]) * scale;
-            if (!isfinite((double)dgamma[j]))
-                sum_dy_xhat[j] += dy_scaled * FASTLN_NAME(column_x_hat)(call, r, j, &again);
-            if (dbeta && !isfinite((double)dbeta[j])) sum_dy[j] += dy_scaled;
-        }
-    }
-    for (int64_t j = begin; j < end; j++) {
-        if (!isfinite((double)dgamma[j])) dgamma[j] = (FASTLN_P)ldexp(sum_dy_xhat[j], unscale);
-        if (dbeta && !isfinite((double)dbeta[j])) dbeta[j] = (FASTLN_P)ldexp(sum_dy[j], unscale);
-    }
-}
-
 /* ---- BatchNorm: features whose statistics leave double's range --------------------------
  *
  * Plain loops over one feature's values in memory order (segments of n_inner values,
@@ -766,4 +657,133 @@ static void FASTLN_NAME(gn_backward_recomputed)(const FASTLN_T *dy, const FASTLN
             dx[at] = FASTLN_NAME(from_double)(
                 ldexp(stats.rstd_scaled * ((g - mean_g) - x_hat * mean_g_xhat), stats.exponent + k));
         }
+}
+
+/* ---- The row backwards' sums over rows (dgamma, dbeta) beyond their accumulators' range ----
+ * dgamma = sum(dy * x_hat) and dbeta = sum(dy) per column are accumulated in float runs (the
+ * float32-compute types) or in double (float64), and both overflow when dy comes within a
+ * factor of the number of rows of the type's largest value, even where the exact sum is
+ * finite. A column whose dgamma or dbeta came out Inf or NaN is summed again here, in double,
+ * row after row in row order (the same order for any thread count), float64 dy scaled by
+ * 2^-FASTLN_COLUMN_SCALE first (exact but for values below 2^-946, far under the sums' last
+ * digits; |x_hat| <= sqrt(n_cols), so no sum of fewer than 2^64 rows can overflow), and the
+ * scale taken out at the end. A column with NaN or Inf among its inputs comes out NaN or Inf
+ * again. */
+#define FASTLN_COLUMN_SCALE 128
+
+/* What values_x_hat needs of a row, or of a GroupNorm group, taken once: the mean of its
+ * deviations from the cache's mean (which may be rounded to float32: the backward's own
+ * correction), and, where the cache's mean and rstd do not give x_hat (an Inf rstd: a spread
+ * beyond the cache's range, constant values with eps = 0; float64 deviations beyond double),
+ * its statistics taken again the careful way (gn_view_statistics). */
+typedef struct {
+    int corrected, taken;
+    double correction;
+    fastln_ln_stats stats;
+} FASTLN_NAME(values_again);
+
+/* x_hat of `value`, one of the values that `view` sees of x, as the backward takes it:
+ * ((value - mean) - correction) * rstd, or from the careful statistics (0 for constant
+ * values, as the forward wrote beta). */
+static double FASTLN_NAME(values_x_hat)(const FASTLN_T *x, const fastln_gn_view *view,
+                                        double mean, double rstd, double eps, FASTLN_T value,
+                                        FASTLN_NAME(values_again) *again)
+{
+    const double v = FASTLN_NAME(to_double)(value);
+    if (!again->corrected) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < view->n_rows; r++)
+            for (int64_t j = 0; j < view->width; j++)
+                sum += FASTLN_NAME(to_double)(x[r * view->stride + j]) - mean;
+        again->correction = sum / (double)(view->n_rows * view->width);
+        again->corrected = 1;
+    }
+    const double x_hat = ((v - mean) - again->correction) * rstd;
+    if (isfinite(x_hat) || !isfinite(v) || isnan(rstd)) return x_hat;
+    if (!again->taken) {
+        FASTLN_NAME(gn_view_statistics)(x, view, eps, &again->stats);
+        again->taken = 1;
+    }
+    return FASTLN_NAME(gn_rescaled_x_hat)(value, &again->stats);
+}
+
+/* What column_x_hat needs of a row: values_x_hat's (LayerNorm), or an RMSNorm row's rstd taken
+ * again where the cache's is Inf. */
+typedef struct {
+    FASTLN_NAME(values_again) ln;
+    int rms_taken, rms_exponent;
+    double rms_rstd_scaled;     /* x_hat = ldexp(x, rms_exponent) * rms_rstd_scaled */
+} FASTLN_NAME(row_again);
+
+/* x_hat of element j of row r, as the backward takes it: values_x_hat for LayerNorm; x * rstd
+ * for RMSNorm, or from the row's rstd taken again (0 for an all-zero row with eps = 0, as the
+ * forward wrote 0). */
+static double FASTLN_NAME(column_x_hat)(const fastln_rows_call *call, int64_t r, int64_t j,
+                                        FASTLN_NAME(row_again) *again)
+{
+    const int64_t n = call->n_cols;
+    const FASTLN_T *row = (const FASTLN_T *)call->x + r * n;
+    const double rstd = (double)((const FASTLN_P *)call->rstd)[r];
+    if (call->mean) {
+        const fastln_gn_view view = {1, n, n, 0, 0}; /* the row as one run of values */
+        return FASTLN_NAME(values_x_hat)(row, &view, (double)((const FASTLN_P *)call->mean)[r],
+                                         rstd, call->eps, row[j], &again->ln);
+    }
+    const double x = FASTLN_NAME(to_double)(row[j]);
+    const double x_hat = x * rstd;
+    if (isfinite(x_hat) || !isfinite(x) || isnan(rstd)) return x_hat;
+    if (!again->rms_taken) {
+        again->rms_rstd_scaled =
+            FASTLN_NAME(rms_rescaled_rstd)(row, n, call->eps, &again->rms_exponent);
+        again->rms_taken = 1;
+    }
+    if (isinf(again->rms_rstd_scaled)) return 0.0; /* all zeros with eps = 0 */
+    return ldexp(x, again->rms_exponent) * again->rms_rstd_scaled;
+}
+
+/* Whether a parameter-type value is Inf or NaN: its exponent bits all ones, tested as integers,
+ * which the compiler keeps in vectors (isfinite goes one value at a time). */
+FASTLN_INLINE int FASTLN_NAME(parameter_not_finite)(FASTLN_P v)
+{
+#if FASTLN_COMPUTE_F32
+    const uint32_t exponent = 0x7f800000u;
+    uint32_t bits;
+#else
+    const uint64_t exponent = 0x7ff0000000000000u;
+    uint64_t bits;
+#endif
+    memcpy(&bits, &v, sizeof bits);
+    return (bits & exponent) == exponent;
+}
+
+/* Columns [begin, end) of dgamma and dbeta summed again where they are not finite (each sum on
+ * its own: a NaN in x makes its columns' dgamma NaN and leaves their dbeta as it is). The sums
+ * go to block 0's partials of these columns, which the column sums have read. Out of line,
+ * as a rare path: the column sums around its call stay the small loops they were. */
+FASTLN_OUTLINED void FASTLN_NAME(column_sums_again)(const fastln_rows_call *call, int64_t begin,
+                                                    int64_t end)
+{
+    const int64_t n = call->n_cols;
+    const FASTLN_T *dy = call->dy;
+    FASTLN_P *dgamma = call->dgamma, *dbeta = call->dbeta;
+    double *sum_dy_xhat = call->partials, *sum_dy = call->partials + n;
+    const int unscale = FASTLN_COMPUTE_F32 ? 0 : FASTLN_COLUMN_SCALE;
+    const double scale = ldexp(1.0, -unscale);
+    for (int64_t j = begin; j < end; j++) {
+        sum_dy_xhat[j] = 0.0;
+        if (dbeta) sum_dy[j] = 0.0;
+    }
+    for (int64_t r = 0; r < call->n_rows; r++) {
+        FASTLN_NAME(row_again) again = {0};
+        for (int64_t j = begin; j < end; j++) {
+            const double dy_scaled = FASTLN_NAME(to_double)(dy[r * n + j]) * scale;
+            if (!isfinite((double)dgamma[j]))
+                sum_dy_xhat[j] += dy_scaled * FASTLN_NAME(column_x_hat)(call, r, j, &again);
+            if (dbeta && !isfinite((double)dbeta[j])) sum_dy[j] += dy_scaled;
+        }
+    }
+    for (int64_t j = begin; j < end; j++) {
+        if (!isfinite((double)dgamma[j])) dgamma[j] = (FASTLN_P)ldexp(sum_dy_xhat[j], unscale);
+        if (dbeta && !isfinite((double)dbeta[j])) dbeta[j] = (FASTLN_P)ldexp(sum_dy[j], unscale);
+    }
 }

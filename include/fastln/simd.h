@@ -40,22 +40,6 @@
 #define FASTLN_UNROLL
 #endif
 
-/* 1 when v is Inf or NaN (its exponent bits all ones), else 0: integer operations, which
- * the compiler keeps in vectors where isfinite goes one value at a time. */
-static inline int fastln_not_finite_bits(double v)
-{
-    uint64_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    return (bits & 0x7ff0000000000000u) == 0x7ff0000000000000u;
-}
-
-static inline int fastln_not_finite_float_bits(float v)
-{
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    return (bits & 0x7f800000u) == 0x7f800000u;
-}
-
 /* condition ? a : b, chosen bit by bit. Both values are computed before the choice: a
  * compiler will not compute a floating-point operation that might raise a flag (under the
  * default -ftrapping-math) on the path that does not use it, so a ?: between two computed
