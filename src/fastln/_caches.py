@@ -9,6 +9,7 @@ import numbers
 import numpy as np
 
 from fastln._checks import (
+    check_dy_dtype,
     describe,
     group_layout,
     output_dtype,
@@ -286,9 +287,7 @@ def check_cache(cache, dy, op, name=None):
     if dy.shape != checked.shape:
         raise ValueError(f"dy has shape {dy.shape}, but the cache is for x of shape "
                          f"{checked.shape}")
-    if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != checked.dtype:
-        raise ValueError(f"dy has dtype {dy.dtype.name}, expected {checked.dtype.name} "
-                         "(the dtype of the forward's y)")
+    check_dy_dtype(dy, checked.dtype)
     if name == "instance_norm":
         n_channels = checked.shape[checked.channel_axis]
         if checked.num_groups != n_channels:

@@ -304,6 +304,13 @@ def protect_from_output(array, out):
     return array.copy()
 
 
+def check_dy_dtype(dy, dtype):
+    """dy of a backward: in the dtype of the forward's y (any byte order), never cast."""
+    if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != dtype:
+        raise ValueError(f"dy has dtype {dy.dtype.name}, expected {dtype.name} (the dtype of "
+                         "the forward's y)")
+
+
 def check_residual(residual, x):
     """residual: a real array of exactly x's shape (no broadcasting); cast later to y's dtype."""
     residual = as_array(residual, "residual")

@@ -34,6 +34,7 @@ import numpy as np
 
 import fastln
 from fastln._checks import (
+    check_dy_dtype,
     check_eps,
     check_input,
     check_num_threads,
@@ -227,10 +228,7 @@ def _backward(rms: bool, dy: Any, x: Any, gamma: Any, eps: float, axis: int,
     dy, _ = _prepare(dy, "dy")
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {dy.shape}, expected arr.shape = {x.shape}")
-    # As fastln's backwards: dy in the forward's output dtype (any byte order), never cast.
-    if dy.dtype.kind not in "fV" or dy.dtype.newbyteorder("=") != dtype:
-        raise ValueError(f"dy has dtype {dy.dtype.name}, expected {dtype.name} (the dtype of "
-                         "the forward's y)")
+    check_dy_dtype(dy, dtype)  # as fastln's backwards
     axis = normalize_axis(axis, x.ndim)
     x = _row_chunks(x, axis)
     dy = dy.astype(dtype).rechunk(x.chunks)
