@@ -2040,13 +2040,17 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_row_part)(const FASTLN_T *dy_row, con
  * bn_apply_float_block). */
 FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_float_block)(
     const FASTLN_T *dy, const FASTLN_T *x, FASTLN_T *dx, int64_t c, const int64_t end,
-    const int n_rows, const fastln_bn_call *call, const int streaming)
+    const int n_rows, const fastln_bn_call *call, const int streaming, const int64_t fetch_rows)
 {
     const int64_t n = call->n_features;
     const int training = call->training;
     const float *head = call->float_constants, *tail = head + n, *k = head + 2 * n;
     const float *mean_dy = head + 3 * n, *coef = head + 4 * n;
     for (; c + FASTLN_VF_LANES <= end; c += FASTLN_VF_LANES) {
+        if (fetch_rows && c % FASTLN_LINE < FASTLN_VF_LANES) {
+            __builtin_prefetch(dy + fetch_rows * n + c, 0, 2);
+            __builtin_prefetch(x + fetch_rows * n + c, 0, 2);
+        }
         FASTLN_VF v[FASTLN_BN_APPLY_GROUP];
         const FASTLN_VF k_v = FASTLN_ISA(load_f32)(k + c);
         if (training) {
@@ -2092,17 +2096,20 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
         const int64_t head = FASTLN_NAME(line_head)(dx, n, 1);
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
             FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0,
-                                                       head, FASTLN_BN_APPLY_GROUP, call, 0);
+                                                       head, FASTLN_BN_APPLY_GROUP, call, 0, 0);
             FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, head,
-                                                       n, FASTLN_BN_APPLY_GROUP, call, 0);
+                                                       n, FASTLN_BN_APPLY_GROUP, call, 0, 0);
         }
     }
+    const int64_t ahead = fastln_rows_fetched_ahead(n * (int64_t)sizeof(FASTLN_T));
+    const FASTLN_T *dy_end = (const FASTLN_T *)call->dy + call->n_outer * n;
     for (; r < n_rows; r++) {
         const int64_t head = streaming ? 0 : FASTLN_NAME(line_head)(dx + r * n, n, 0);
+        const int64_t fetch_rows = streaming && dy + (r + ahead + 1) * n <= dy_end ? ahead : 0;
         FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0, head, 1,
-                                                   call, streaming);
+                                                   call, streaming, fetch_rows);
         FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, head, n, 1,
-                                                   call, streaming);
+                                                   call, streaming, fetch_rows);
     }
     if (streaming) fastln_streaming_fence();
 }

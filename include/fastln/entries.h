@@ -322,7 +322,7 @@ static void FASTLN_NAME(bn_apply_task)(const void *opaque, int64_t begin, int64_
 #if FASTLN_COMPUTE_F32
             if (head) {
                 FASTLN_NAME(bn_apply_rows_float)(x + offset, y + offset, n_rows, call->n_features,
-                                                 &k, store);
+                                                 &k, store, x + call->n_outer * call->n_features);
                 continue;
             }
 #endif
@@ -853,7 +853,9 @@ FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, in
     const float *head = fastln_gn_float_constants(call) + n * call->n_channels + first;
     const fastln_rows_constants k = {head, head + n_channel_values, head + 2 * n_channel_values,
                                      head + 3 * n_channel_values, shift, center, scale, offset};
-    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, store);
+    const int64_t x_bytes = n_channel_values * call->n_spatial * (int64_t)sizeof(FASTLN_T);
+    const FASTLN_T *x_end = x_bytes >= FASTLN_GN_FETCH_ROWS_BYTES ? x + n_rows * width : x;
+    FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, store, x_end);
 #else
     FASTLN_NAME(bn_apply_rows)(x, y, n_rows, width, shift, center, scale, offset, store);
 #endif

@@ -596,10 +596,13 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_float_block)(const FASTLN_T *x, FASTLN_T
                                                     int64_t c, const int64_t end,
                                                     const int n_rows,
                                                     const fastln_rows_constants *k,
-                                                    const int streaming)
+                                                    const int streaming,
+                                                    const int64_t fetch_rows)
 {
     const float *head = k->head, *tail = k->tail, *scale = k->scale, *offset = k->offset;
     for (; c + FASTLN_VF_LANES <= end; c += FASTLN_VF_LANES) {
+        if (fetch_rows && c % FASTLN_LINE < FASTLN_VF_LANES)
+            __builtin_prefetch(x + fetch_rows * n + c, 0, 2);
         const FASTLN_VF head_v = FASTLN_ISA(load_f32)(head + c);
         const FASTLN_VF tail_v = FASTLN_ISA(load_f32)(tail + c);
         const FASTLN_VF scale_v = FASTLN_ISA(load_f32)(scale + c);
@@ -630,7 +633,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_float_block)(const FASTLN_T *x, FASTLN_T
 FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN_T *y,
                                                       int64_t n_rows, int64_t n,
                                                       const fastln_rows_constants *k,
-                                                      const int store)
+                                                      const int store, const FASTLN_T *x_end)
 {
     const int streaming = store == FASTLN_ROWS_STREAMED;
     int64_t r = 0;
@@ -638,31 +641,37 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
         const int64_t head = FASTLN_NAME(line_head)(y, n, 1);
         for (; r + FASTLN_BN_APPLY_GROUP <= n_rows; r += FASTLN_BN_APPLY_GROUP) {
             FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head,
-                                              FASTLN_BN_APPLY_GROUP, k, 0);
+                                              FASTLN_BN_APPLY_GROUP, k, 0, 0);
             FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, head, n,
-                                              FASTLN_BN_APPLY_GROUP, k, 0);
+                                              FASTLN_BN_APPLY_GROUP, k, 0, 0);
         }
     }
+    const int64_t ahead = fastln_rows_fetched_ahead(n * (int64_t)sizeof(FASTLN_T));
     for (; r < n_rows; r++) {
         const int64_t head = streaming ? 0 : FASTLN_NAME(line_head)(y + r * n, n, 0);
-        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head, 1, k, streaming);
-        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, head, n, 1, k, streaming);
+        const int64_t fetch_rows = streaming && x + (r + ahead + 1) * n <= x_end ? ahead : 0;
+        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head, 1, k, streaming,
+                                          fetch_rows);
+        FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, head, n, 1, k, streaming,
+                                          fetch_rows);
     }
     if (streaming) fastln_streaming_fence();
 }
 
 /* store: FASTLN_ROWS_ALONE, _STREAMED (y 16-byte aligned, and so each row) or _GROUPED
- * (fastln/batch_norm.h, fastln_rows_store). */
+ * (fastln/batch_norm.h, fastln_rows_store). x_end: the end of the array x is part of (streamed
+ * rows fetch the rows fastln_rows_fetched_ahead on while those are inside it). */
 FASTLN_OUTLINED void FASTLN_NAME(bn_apply_rows_float)(const FASTLN_T *x, FASTLN_T *y,
                                                      int64_t n_rows, int64_t n,
-                                                     const fastln_rows_constants *k, int store)
+                                                     const fastln_rows_constants *k, int store,
+                                                     const FASTLN_T *x_end)
 {
     if (store == FASTLN_ROWS_STREAMED)
-        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_STREAMED);
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_STREAMED, x_end);
     else if (store == FASTLN_ROWS_GROUPED)
-        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_GROUPED);
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_GROUPED, x_end);
     else
-        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_ALONE);
+        FASTLN_NAME(bn_apply_rows_float_to)(x, y, n_rows, n, k, FASTLN_ROWS_ALONE, x_end);
 }
 #endif
 

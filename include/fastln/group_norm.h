@@ -25,6 +25,12 @@
  * streamed) from this many bytes of dy, x and dx (fastln/entries.h, gn_backward_groups_task). */
 #define FASTLN_GN_FETCH_DX_BYTES (16 * 1024 * 1024)
 
+/* Channels last fetches its streamed rows ahead as it writes them (fastln_rows_fetched_ahead)
+ * only from this many bytes of x: smaller inputs are still in L3 after the statistics pass, and
+ * there the fetch cost more than it saved (docs/performance.md, "BatchNorm's streamed rows
+ * fetched ahead"). */
+#define FASTLN_GN_FETCH_ROWS_BYTES (32 * 1024 * 1024)
+
 /* Values per piece: large enough that a task's overhead vanishes, small enough that a single
  * group of an image the size of a diffusion UNet's first stage ([1, 128, 256, 256] in 32
  * groups: 262144 values) still makes work for several threads. */
