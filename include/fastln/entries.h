@@ -123,9 +123,12 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
         double *dgamma_partial = call->partials + 2 * block * n;
         double *dbeta_partial = dgamma_partial + n;
 #if FASTLN_COMPUTE_F32
-        /* float accumulators, folded into the double partials every FASTLN_ROWS_PER_FLUSH rows */
+        /* float accumulators, folded into the double partials every FASTLN_ROWS_PER_FLUSH rows
+         * (the first fold sets them: they come unzeroed, and a block without rows zeroes its
+         * own) */
         float *dgamma_acc = call->accumulators + 2 * block * n;
         float *dbeta_acc = dgamma_acc + n;
+        if (row_start >= row_end) memset(dgamma_partial, 0, 2 * (size_t)n * sizeof(double));
 #else
         double *dgamma_acc = dgamma_partial, *dbeta_acc = dbeta_partial;
 #endif
@@ -138,8 +141,9 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
             row += count;
 #if FASTLN_COMPUTE_F32
             if ((row - row_start) % FASTLN_ROWS_PER_FLUSH == 0 || row == row_end) {
-                fastln_flush_accumulators(dgamma_acc, dgamma_partial, n);
-                fastln_flush_accumulators(dbeta_acc, dbeta_partial, n);
+                const int first = row - row_start <= FASTLN_ROWS_PER_FLUSH;
+                fastln_flush_accumulators(dgamma_acc, dgamma_partial, n, first);
+                fastln_flush_accumulators(dbeta_acc, dbeta_partial, n, first);
             }
 #endif
         }

@@ -305,14 +305,23 @@ typedef struct {
 /* The longest row whose forward write pass prefetches the next row (fastln/forward.h). */
 #define FASTLN_PREFETCH_ROW_BYTES 8192
 
-/* partials += accumulators, and the accumulators cleared. */
+/* partials += accumulators, and the accumulators cleared; a block's first flush sets the
+ * partials instead (so they need no zeroing before): the same bits, as an accumulator that
+ * started at +0.0 is never -0.0. */
 FASTLN_INLINE void fastln_flush_accumulators(float *FASTLN_RESTRICT accumulators,
-                                             double *FASTLN_RESTRICT partials, int64_t n)
+                                             double *FASTLN_RESTRICT partials, int64_t n,
+                                             int first)
 {
-    for (int64_t j = 0; j < n; j++) {
-        partials[j] += (double)accumulators[j];
-        accumulators[j] = 0.0f;
-    }
+    if (first)
+        for (int64_t j = 0; j < n; j++) {
+            partials[j] = (double)accumulators[j];
+            accumulators[j] = 0.0f;
+        }
+    else
+        for (int64_t j = 0; j < n; j++) {
+            partials[j] += (double)accumulators[j];
+            accumulators[j] = 0.0f;
+        }
 }
 
 #include "fastln/group_norm.h"
