@@ -129,6 +129,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
         float *dgamma_acc = call->accumulators + 2 * block * n;
         float *dbeta_acc = dgamma_acc + n;
         if (row_start >= row_end) memset(dgamma_partial, 0, 2 * (size_t)n * sizeof(double));
+        const int fold = !fastln_sums_stay_in_accumulators(call);
 #else
         double *dgamma_acc = dgamma_partial, *dbeta_acc = dbeta_partial;
 #endif
@@ -140,7 +141,7 @@ static void FASTLN_NAME(layer_norm_backward_task)(const void *opaque, int64_t be
                 fastln_rows_to_fetch(call, group, row + count, task_end));
             row += count;
 #if FASTLN_COMPUTE_F32
-            if ((row - row_start) % FASTLN_ROWS_PER_FLUSH == 0 || row == row_end) {
+            if (fold && ((row - row_start) % FASTLN_ROWS_PER_FLUSH == 0 || row == row_end)) {
                 const int first = row - row_start <= FASTLN_ROWS_PER_FLUSH;
                 fastln_flush_accumulators(dgamma_acc, dgamma_partial, n, first);
                 fastln_flush_accumulators(dbeta_acc, dbeta_partial, n, first);
@@ -190,6 +191,16 @@ static void FASTLN_NAME(column_sums_task)(const void *opaque, int64_t begin, int
     int not_finite = 0;
     for (int64_t sum = 0; sum < n_sums; sum++) {
         FASTLN_P *out = sum == 0 ? call->dgamma : call->dbeta;
+#if FASTLN_COMPUTE_F32
+        if (fastln_sums_stay_in_accumulators(call)) {
+            const float *accumulator = call->accumulators + sum * n;
+            for (int64_t j = begin; j < end; j++) {
+                out[j] = accumulator[j];
+                not_finite |= FASTLN_NAME(parameter_not_finite)(out[j]);
+            }
+            continue;
+        }
+#endif
         if (call->n_blocks == 1) { /* a single block's partials are the sums (small calls) */
             const double *partial = call->partials + sum * n;
             for (int64_t j = begin; j < end; j++) {

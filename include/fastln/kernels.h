@@ -305,6 +305,16 @@ typedef struct {
 /* The longest row whose forward write pass prefetches the next row (fastln/forward.h). */
 #define FASTLN_PREFETCH_ROW_BYTES 8192
 
+/* Whether a LayerNorm backward's sums stay in its float accumulators: one block of at most
+ * FASTLN_ROWS_PER_FLUSH rows (small calls) folds them once into zeros, and rounding that fold
+ * back to float gives the accumulators' own floats, so column_sums_task reads them directly.
+ * (RMSNorm's backward has no accumulators: call->accumulators is NULL.) */
+static inline int fastln_sums_stay_in_accumulators(const fastln_rows_call *call)
+{
+    return call->accumulators != NULL && call->n_blocks == 1
+           && call->n_rows <= FASTLN_ROWS_PER_FLUSH;
+}
+
 /* partials += accumulators, and the accumulators cleared; a block's first flush sets the
  * partials instead (so they need no zeroing before): the same bits, as an accumulator that
  * started at +0.0 is never -0.0. */

@@ -451,29 +451,34 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     call.fetch_ahead = (call_bytes >= BACKWARD_MIN_BYTES_FOR_FETCHING
                         and not (call.rows_alone and row_bytes < MIN_ROW_BYTES_FETCHED_ALONE))
     cdef Py_ssize_t n_partials = n_sums * call.n_blocks * call.n_cols
-    # the float32-compute types' float accumulators: as many floats, in half as many doubles
-    cdef Py_ssize_t n_room = n_partials + (0 if storage == FASTLN_FLOAT64 else (n_partials + 1) // 2)
+    # LayerNorm's float accumulators (the float32-compute types): as many floats as partials,
+    # in half as many doubles
+    cdef bint accumulate = op == FASTLN_LAYER_NORM_BACKWARD and storage != FASTLN_FLOAT64
+    cdef Py_ssize_t n_room = n_partials + ((n_partials + 1) // 2 if accumulate else 0)
     cdef double stack_room[BACKWARD_STACK_DOUBLES]
-    cdef double *room = stack_room
-    if n_room > BACKWARD_STACK_DOUBLES:
-        room = <double*>calloc(n_room, sizeof(double))
-        if room == NULL:
-            raise MemoryError("cannot allocate the backward's partial sums")
-    elif op == FASTLN_LAYER_NORM_BACKWARD and storage != FASTLN_FLOAT64:
-        # the partials are set by each block's first fold of its float accumulators
-        memset(room + n_partials, 0, (n_room - n_partials) * sizeof(double))
+    cdef bint on_stack = n_room <= BACKWARD_STACK_DOUBLES
+    if on_stack:
+        call.partials = stack_room
+        call.accumulators = <float*>(stack_room + n_partials) if accumulate else NULL
+        if accumulate:  # the partials are set by each block's first fold of its accumulators
+            memset(call.accumulators, 0, (n_room - n_partials) * sizeof(double))
+        else:
+            memset(stack_room, 0, n_room * sizeof(double))
     else:
-        memset(room, 0, n_room * sizeof(double))
-    call.partials = room
-    if storage != FASTLN_FLOAT64:
-        call.accumulators = <float*>(room + n_partials)
+        call.partials = <double*>calloc(n_partials, sizeof(double))
+        call.accumulators = <float*>calloc(n_partials, sizeof(float)) if accumulate else NULL
+        if call.partials == NULL or (accumulate and call.accumulators == NULL):
+            free(call.partials)
+            free(call.accumulators)
+            raise MemoryError("cannot allocate the backward's partial sums")
     if call.n_rows * call.n_cols < MIN_ELEMENTS_FOR_NOGIL:  # as _forward_rows
         _backward_phases(op, call, storage, num_threads)
     else:
         with nogil:
             _backward_phases(op, call, storage, num_threads)
-    if room != stack_room:
-        free(room)
+    if not on_stack:
+        free(call.partials)
+        free(call.accumulators)
     return 0
 
 
