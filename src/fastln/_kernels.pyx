@@ -440,8 +440,9 @@ cdef void _backward_phases(int op, fastln_rows_call *call, int storage,
 
 cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
                         int num_threads) except -1:
-    """A row backward: its row blocks (each with its own zeroed partial sums and, for the
-    float32-compute types, float accumulators), then the column sums in block order."""
+    """A row backward: its row blocks (each with its own double partial sums and, for
+    LayerNorm of the float32-compute types, zeroed float accumulators that set the partials at
+    their first fold; other partials start zeroed), then the column sums in block order."""
     call.n_blocks = fastln_row_blocks(call.n_rows)
     call.rows_per_block = (call.n_rows + call.n_blocks - 1) // call.n_blocks
     cdef Py_ssize_t row_bytes = call.n_cols * _storage_bytes(storage)
