@@ -465,8 +465,9 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
             memset(call.accumulators, 0, (n_room - n_partials) * sizeof(double))
         else:
             memset(stack_room, 0, n_room * sizeof(double))
-    else:
-        call.partials = <double*>calloc(n_partials, sizeof(double))
+    else:  # (with accumulators, the partials need no zeroing either)
+        call.partials = <double*>(malloc(n_partials * sizeof(double)) if accumulate
+                                  else calloc(n_partials, sizeof(double)))
         call.accumulators = <float*>calloc(n_partials, sizeof(float)) if accumulate else NULL
         if call.partials == NULL or (accumulate and call.accumulators == NULL):
             free(call.partials)
