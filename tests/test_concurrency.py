@@ -341,3 +341,38 @@ def test_multiprocessing_child_after_the_parent_used_openmp(start_method, tmp_pa
     script.write_text(FORK_SCRIPT)
     out = _run_child(None, [start_method], {}, timeout=TIMEOUT, path=str(script))
     assert out.strip().endswith("ok")
+
+
+SMALL_STACK_CHILD = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    import fastln
+    stack_size = int(sys.argv[1])
+    rng = np.random.default_rng(0)
+    calls = []
+    for dtype in (np.float32, np.float16, np.float64):
+        x = rng.standard_normal((3, 768)).astype(dtype)
+        dy = rng.standard_normal((3, 768)).astype(dtype)
+        for forward, backward in ((fastln.layer_norm_forward, fastln.layer_norm_backward),
+                                  (fastln.rms_norm_forward, fastln.rms_norm_backward)):
+            calls.append((backward, dy, forward(x)[1]))
+    results = {}
+    def body():
+        results["thread"] = [backward(dy, cache) for backward, dy, cache in calls]
+    threading.stack_size(stack_size)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    serial = [backward(dy, cache) for backward, dy, cache in calls]
+    for got, want in zip(results["thread"], serial):
+        for a, b in zip(got, want):
+            assert a.tobytes() == b.tobytes()
+    print("ok", flush=True)
+""")
+
+
+@pytest.mark.parametrize("stack_size", [32768, 40960])
+def test_backwards_run_in_threads_with_the_smallest_stacks(stack_size):
+    """Python lets a thread run on a 32 KiB stack (threading.stack_size): a row backward's
+    partial sums must not live in its frame (a 32 KiB array there overflowed such stacks)."""
+    assert _run_child(SMALL_STACK_CHILD, [stack_size], {}).strip().endswith("ok")

@@ -99,3 +99,29 @@ def test_bits_do_not_depend_on_batch_or_threads(rng, op):
     assert_bitwise_equal(full[0], backward(dy, cache, num_threads=2)[0])
     _, cache_part = forward(x[123:170])
     assert_bitwise_equal(full[0][123:170], backward(dy[123:170], cache_part)[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n_rows", [2049, 2050])
+def test_an_empty_last_row_block_adds_nothing(rng, dtype, n_rows):
+    """2049 and 2050 rows take 64 row blocks of 33 rows: the last block has none. The blocks'
+    partial sums are not zeroed before (each block's first fold of its float accumulators sets
+    them), so the empty block must zero its own: a call of 2112 rows (64 full blocks) of the
+    same width runs first, so that memory reused from it holds its last block's sums."""
+    n_cols = 768
+    gamma = rng.standard_normal(n_cols).astype(np.float32)
+    big = (rng.standard_normal((2112, n_cols)) + 3).astype(dtype)
+    _, big_cache = fastln.layer_norm_forward(big, gamma)
+    x = (rng.standard_normal((n_rows, n_cols)) + 3).astype(dtype)
+    dy = rng.standard_normal((n_rows, n_cols)).astype(dtype)
+    _, cache = fastln.layer_norm_forward(x, gamma)
+    results = []
+    for _ in range(2):
+        fastln.layer_norm_backward(big * 1e3, big_cache, gamma, num_threads=1)
+        results.append(fastln.layer_norm_backward(dy, cache, gamma, num_threads=1))
+    for first, again in zip(*results):
+        assert_bitwise_equal(first, again)
+    exact = float64_backward("layer_norm", x, dy, gamma)
+    for got, want in zip(results[0][1:], exact[1:]):
+        error = np.abs(got.astype(np.float64) - want).max() / np.abs(want).max()
+        assert error < 1e-6

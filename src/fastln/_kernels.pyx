@@ -275,10 +275,21 @@ cdef enum:
     GN_BACKWARD_MIN_BYTES_FOR_STREAMING = 8 * 1024 * 1024
     BN_FORWARD_MIN_ELEMENTS_FOR_THREADS = 3 * MIN_ELEMENTS_FOR_THREADS
     ADD_IN_FLOAT_MAX_BYTES = 8 * 1024 * 1024
-    # A row backward's partial sums and accumulators up to this many doubles' room live on the
-    # calling thread's stack (32 KiB; a 768-wide LayerNorm backward needs 18 KiB): for a single
-    # row, calloc and free were a tenth of the call.
-    BACKWARD_STACK_DOUBLES = 4096
+
+
+# A row backward's partial sums and accumulators, up to FASTLN_BACKWARD_ROOM_DOUBLES doubles
+# (32 KiB; a 768-wide LayerNorm backward needs 18 KiB), go in this room of the calling thread:
+# for a single row, calloc and free were a tenth of the call. Per thread, not on the stack,
+# where it would have overflowed threads that Python starts with 32-40 KiB stacks
+# (threading.stack_size).
+cdef extern from *:
+    """
+    #define FASTLN_BACKWARD_ROOM_DOUBLES 4096
+    static _Thread_local double fastln_backward_room[FASTLN_BACKWARD_ROOM_DOUBLES];
+    static double *fastln_thread_backward_room(void) { return fastln_backward_room; }
+    """
+    int FASTLN_BACKWARD_ROOM_DOUBLES
+    double *fastln_thread_backward_room() noexcept nogil
 
 
 cdef inline fastln_task _task(int storage, int task) noexcept nogil:
@@ -456,15 +467,16 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     # in half as many doubles
     cdef bint accumulate = op == FASTLN_LAYER_NORM_BACKWARD and storage != FASTLN_FLOAT64
     cdef Py_ssize_t n_room = n_partials + ((n_partials + 1) // 2 if accumulate else 0)
-    cdef double stack_room[BACKWARD_STACK_DOUBLES]
-    cdef bint on_stack = n_room <= BACKWARD_STACK_DOUBLES
-    if on_stack:
-        call.partials = stack_room
-        call.accumulators = <float*>(stack_room + n_partials) if accumulate else NULL
+    cdef bint in_room = n_room <= FASTLN_BACKWARD_ROOM_DOUBLES
+    cdef double *room
+    if in_room:
+        room = fastln_thread_backward_room()
+        call.partials = room
+        call.accumulators = <float*>(room + n_partials) if accumulate else NULL
         if accumulate:  # the partials are set by each block's first fold of its accumulators
             memset(call.accumulators, 0, (n_room - n_partials) * sizeof(double))
         else:
-            memset(stack_room, 0, n_room * sizeof(double))
+            memset(room, 0, n_room * sizeof(double))
     else:  # (with accumulators, the partials need no zeroing either)
         call.partials = <double*>(malloc(n_partials * sizeof(double)) if accumulate
                                   else calloc(n_partials, sizeof(double)))
@@ -478,7 +490,7 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     else:
         with nogil:
             _backward_phases(op, call, storage, num_threads)
-    if not on_stack:
+    if not in_room:
         free(call.partials)
         free(call.accumulators)
     return 0
