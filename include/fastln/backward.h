@@ -294,7 +294,8 @@ FASTLN_INLINE int FASTLN_NAME(ln_backward_in_floats)(const fastln_ln_backward_su
  * rows prefetched further ahead"). */
 FASTLN_INLINE void FASTLN_NAME(prefetch_step_ahead)(const FASTLN_T *p, int64_t row)
 {
-    const int64_t further = fastln_max(2 * row, (int64_t)(8192 / sizeof(FASTLN_T)));
+    const int64_t further =
+        fastln_max(2 * row, (int64_t)(FASTLN_FETCH_AHEAD_BYTES / sizeof(FASTLN_T)));
     FASTLN_NAME(prefetch_step)(p + row);
     FASTLN_UNROLL
     for (int64_t k = 0; k < FASTLN_STEP; k += FASTLN_LINE)

@@ -44,13 +44,13 @@ static inline int fastln_rows_store(int streaming, int64_t input_bytes)
     return input_bytes < FASTLN_BN_GROUP_MAX_BYTES ? FASTLN_ROWS_GROUPED : FASTLN_ROWS_ALONE;
 }
 /* Streamed rows come from memory: as a row is written, the float write passes fetch the same
- * columns of the row this many rows on into L2 (inside the array only), as LayerNorm's backward
- * does (prefetch_step_ahead: two rows, or 8 KiB for rows shorter than 4 KiB). The hardware
+ * columns of the row this many rows on into L2 (inside the array only): two rows, or whole rows
+ * to FASTLN_FETCH_AHEAD_BYTES, as LayerNorm's backward (prefetch_step_ahead). The hardware
  * prefetcher alone left the backward's dx pass waiting on its loads of dy and x
  * (docs/performance.md, "BatchNorm's streamed rows fetched ahead"). */
 static inline int64_t fastln_rows_fetched_ahead(int64_t row_bytes)
 {
-    return fastln_max(2, (8192 + row_bytes - 1) / fastln_max(row_bytes, 1));
+    return fastln_max(2, (FASTLN_FETCH_AHEAD_BYTES + row_bytes - 1) / fastln_max(row_bytes, 1));
 }
 
 /* The backward taking whole features (bn_backward_features_task) prefetches the next feature

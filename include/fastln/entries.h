@@ -868,6 +868,7 @@ FASTLN_INLINE void FASTLN_NAME(gn_apply_channels)(const fastln_gn_call *call, in
     const float *head = fastln_gn_float_constants(call) + n * call->n_channels + first;
     const fastln_rows_constants k = {head, head + n_channel_values, head + 2 * n_channel_values,
                                      head + 3 * n_channel_values, shift, center, scale, offset};
+    /* x_end = x: no row lies inside, so none is fetched */
     const int64_t x_bytes = n_channel_values * call->n_spatial * (int64_t)sizeof(FASTLN_T);
     const FASTLN_T *x_end = x_bytes >= FASTLN_GN_FETCH_ROWS_BYTES ? x + n_rows * width : x;
     FASTLN_NAME(bn_apply_rows_float)(x, y, n_rows, width, &k, store, x_end);
@@ -1152,10 +1153,8 @@ FASTLN_OUTLINED void FASTLN_NAME(gn_parameter_sums_again)(const fastln_gn_call *
                 }
             }
         }
-    for (int64_t c = 0; c < C; c++) {
-        if (!isfinite((double)dgamma[c])) dgamma[c] = (FASTLN_P)ldexp(sum_dy_xhat[c], unscale);
-        if (!isfinite((double)dbeta[c])) dbeta[c] = (FASTLN_P)ldexp(sum_dy[c], unscale);
-    }
+    FASTLN_NAME(store_sums_again)(dgamma, sum_dy_xhat, 0, C, unscale);
+    FASTLN_NAME(store_sums_again)(dbeta, sum_dy, 0, C, unscale);
 }
 
 /* dgamma and dbeta: each channel's terms added in sample order. */

@@ -164,6 +164,11 @@ typedef struct {
 FASTLN_INLINE int64_t fastln_min(int64_t a, int64_t b) { return a < b ? a : b; }
 FASTLN_INLINE int64_t fastln_max(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* Write passes over rows from memory fetch into L2 the rows at least this far on, and at least
+ * two rows on (LayerNorm's and RMSNorm's backward: prefetch_step_ahead; BatchNorm's streamed
+ * rows: fastln_rows_fetched_ahead). */
+#define FASTLN_FETCH_AHEAD_BYTES 8192
+
 /* Backwards add their column sums over blocks of at least FASTLN_MIN_ROWS_PER_BLOCK rows, at
  * most FASTLN_MAX_BLOCKS blocks: a function of n_rows only, never of the thread count. */
 #define FASTLN_MIN_ROWS_PER_BLOCK 32

@@ -756,6 +756,15 @@ FASTLN_INLINE int FASTLN_NAME(parameter_not_finite)(FASTLN_P v)
     return (bits & exponent) == exponent;
 }
 
+/* Where out[j] (j in [begin, end)) came out Inf or NaN: the sum taken again, sums[j], with the
+ * scale taken out (2^unscale), in the parameter type. */
+FASTLN_INLINE void FASTLN_NAME(store_sums_again)(FASTLN_P *out, const double *sums,
+                                                 int64_t begin, int64_t end, int unscale)
+{
+    for (int64_t j = begin; j < end; j++)
+        if (!isfinite((double)out[j])) out[j] = (FASTLN_P)ldexp(sums[j], unscale);
+}
+
 /* Columns [begin, end) of dgamma and dbeta summed again where they are not finite (each sum on
  * its own: a NaN in x makes its columns' dgamma NaN and leaves their dbeta as it is). The sums
  * go to block 0's partials of these columns, which the column sums have read. Out of line,
@@ -782,8 +791,6 @@ FASTLN_OUTLINED void FASTLN_NAME(column_sums_again)(const fastln_rows_call *call
             if (dbeta && !isfinite((double)dbeta[j])) sum_dy[j] += dy_scaled;
         }
     }
-    for (int64_t j = begin; j < end; j++) {
-        if (!isfinite((double)dgamma[j])) dgamma[j] = (FASTLN_P)ldexp(sum_dy_xhat[j], unscale);
-        if (dbeta && !isfinite((double)dbeta[j])) dbeta[j] = (FASTLN_P)ldexp(sum_dy[j], unscale);
-    }
+    FASTLN_NAME(store_sums_again)(dgamma, sum_dy_xhat, begin, end, unscale);
+    if (dbeta) FASTLN_NAME(store_sums_again)(dbeta, sum_dy, begin, end, unscale);
 }
