@@ -872,11 +872,19 @@ def _misaligned_like(a):
     return raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
 
 
+def _line_offset_like(a, offset):
+    """An array like a whose data starts `offset` bytes (a multiple of 16) past a cache line."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    return raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("training", [True, False])
 def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training):
     """Inputs of 4 MiB and more write y and dx with non-temporal stores where the rows are
-    16-byte aligned; the values are those of the ordinary stores."""
+    16-byte aligned (each row's elements up to its first whole line apart, wherever in a line
+    the output starts); the values are those of the ordinary stores."""
     rng = np.random.default_rng(31)
     shape = (2100, 1000) if dtype == np.float32 else (4200, 1000)
     x = (rng.standard_normal(shape) * 2 + 30).astype(dtype)
@@ -885,16 +893,20 @@ def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training)
     gamma = rng.standard_normal(shape[1]).astype(np.float32)
     beta = rng.standard_normal(shape[1]).astype(np.float32)
     results = []
-    for make in (np.empty_like, _misaligned_like):
+    streamed_at = [lambda a, offset=offset: _line_offset_like(a, offset)
+                   for offset in (0, 16, 32, 48)]
+    for make in (np.empty_like, _misaligned_like, *streamed_at):
         y, dx = make(x), make(x)
-        assert (y.ctypes.data % 16 == 0) == (make is np.empty_like)
+        assert (y.ctypes.data % 16 == 0) == (make is not _misaligned_like)
         running_mean, running_var = np.zeros(shape[1]), np.ones(shape[1])
         _, cache = fastln.batch_norm_forward(x, gamma, beta, running_mean, running_var,
                                              training=training, out=y)
         fastln.batch_norm_backward(dy, cache, gamma, out=dx)
         results.append((y.copy(), dx.copy()))
-    for streamed, ordinary in zip(*results):
-        assert np.array_equal(streamed.view(np.uint16), ordinary.view(np.uint16))
+    ordinary = results[1]
+    for streamed in results[:1] + results[2:]:
+        for streamed_array, ordinary_array in zip(streamed, ordinary):
+            assert np.array_equal(streamed_array.view(np.uint16), ordinary_array.view(np.uint16))
     y = results[0][0].astype(np.float64)
     expected = reference.batch_norm(x.astype(np.float64), gamma, beta, np.zeros(shape[1]),
                                     np.ones(shape[1]), training=training)

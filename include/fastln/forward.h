@@ -648,7 +648,8 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
     }
     const int64_t ahead = fastln_rows_fetched_ahead(n * (int64_t)sizeof(FASTLN_T));
     for (; r < n_rows; r++) {
-        const int64_t head = streaming ? 0 : FASTLN_NAME(line_head)(y + r * n, n, 0);
+        const int64_t head = streaming ? fastln_elements_to_line(y + r * n, sizeof(FASTLN_T), n)
+                                       : FASTLN_NAME(line_head)(y + r * n, n, 0);
         const int64_t fetch_rows = streaming && x + (r + ahead + 1) * n <= x_end ? ahead : 0;
         FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head, 1, k, streaming,
                                           fetch_rows);
