@@ -102,6 +102,13 @@ def at_line_offset(a, offset):
     return placed
 
 
+def placed_after(a, after):
+    """An empty array like a whose data starts `after` bytes past a's place in a 4 KiB page."""
+    raw = np.empty(a.nbytes + 8192, np.uint8)
+    start = (a.ctypes.data + after - raw.ctypes.data) % 4096
+    return raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+
+
 LAYOUTS = {
     "contiguous": _contiguous,
     "strided": _strided,

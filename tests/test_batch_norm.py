@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 from conftest import (DTYPES, LAYOUTS, THREADS, Snapshot, assert_bitwise_equal, assert_close,
-                      assert_output_array, make_layout, numeric_gradient, random_input,
-                      random_params)
+                      assert_output_array, at_line_offset, make_layout, numeric_gradient,
+                      placed_after, random_input, random_params)
 
 import fastln
 from fastln import reference
@@ -872,13 +872,6 @@ def _misaligned_like(a):
     return raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
 
 
-def _line_offset_like(a, offset):
-    """An array like a whose data starts `offset` bytes (a multiple of 16) past a cache line."""
-    raw = np.empty(a.nbytes + 128, np.uint8)
-    start = (-raw.ctypes.data) % 64 + offset
-    return raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("training", [True, False])
 def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training):
@@ -893,7 +886,7 @@ def test_streamed_outputs_hold_the_same_bits_as_ordinary_stores(dtype, training)
     gamma = rng.standard_normal(shape[1]).astype(np.float32)
     beta = rng.standard_normal(shape[1]).astype(np.float32)
     results = []
-    streamed_at = [lambda a, offset=offset: _line_offset_like(a, offset)
+    streamed_at = [lambda a, offset=offset: at_line_offset(a, offset)
                    for offset in (0, 16, 32, 48)]
     for make in (np.empty_like, _misaligned_like, *streamed_at):
         y, dx = make(x), make(x)
@@ -1018,3 +1011,27 @@ def test_backward_products_below_float_range(axis, segment):
     _, cache = fastln.batch_norm_forward(x, training=True, eps=0.0, axis=axis)
     _, dgamma, _ = fastln.batch_norm_backward(dy, cache)
     assert np.allclose(dgamma, exact_dgamma, rtol=1e-6, atol=1e-6 * np.abs(exact_dgamma).max())
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_streamed_outputs_just_after_their_inputs_hold_the_same_bits(training):
+    """Rows-layout outputs of inputs of 4 MiB and more are streamed, except where they start
+    just after an input's place in a page (ordinary stores there); the bits are the same at
+    every placement."""
+    rng = np.random.default_rng(41)
+    shape = (1500, 1000)
+    x = (rng.standard_normal(shape) * 2 + 30).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    x[5, 7] = np.inf
+    gamma = rng.standard_normal(shape[1]).astype(np.float32)
+    beta = rng.standard_normal(shape[1]).astype(np.float32)
+    results = []
+    for after in (0, 16, 48, 640, 656, 2048):
+        y, dx = placed_after(x, after), placed_after(dy, after)
+        _, cache = fastln.batch_norm_forward(x, gamma, beta, np.zeros(shape[1]),
+                                             np.ones(shape[1]), training=training, out=y)
+        fastln.batch_norm_backward(dy, cache, gamma, out=dx)
+        results.append((y.view(np.uint32).copy(), dx.view(np.uint32).copy()))
+    for y_bits, dx_bits in results[1:]:
+        assert np.array_equal(y_bits, results[0][0])
+        assert np.array_equal(dx_bits, results[0][1])

@@ -17,6 +17,7 @@ from conftest import (
     assert_close,
     assert_output_array,
     make_layout,
+    placed_after,
     random_input,
     random_params,
 )
@@ -413,3 +414,30 @@ def test_backward_out_overlapping_inputs(rng, dtype, alias):
     assert got[0] is out
     for name, a, b in zip(("dx", "dgamma", "dbeta"), got, expected):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_streamed_outputs_just_after_their_inputs_hold_the_same_bits(rms):
+    """Outputs of 32 MiB and more are streamed, except where they start just after an input's
+    place in a page (ordinary stores there: fastln_streams_apart); either way the bits are the
+    same, forward and backward, at every placement."""
+    rng = np.random.default_rng(37)
+    shape = (2049, 4100)  # y 33.6 MB; rows 16 bytes past a line on NumPy's large arrays
+    x = (rng.standard_normal(shape) + 100).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    x[3, 5], dy[7, 1] = np.nan, np.inf
+    gamma = rng.standard_normal(shape[1]).astype(np.float32)
+    beta = None if rms else rng.standard_normal(shape[1]).astype(np.float32)
+    forward = fastln.rms_norm_forward if rms else fastln.layer_norm_forward
+    backward = fastln.rms_norm_backward if rms else fastln.layer_norm_backward
+    args = (x, gamma) if rms else (x, gamma, beta)
+    _, cache = forward(*args)
+    results = []
+    for after in (0, 16, 48, 640, 656, 2048):
+        y, dx = placed_after(x, after), placed_after(dy, after)
+        forward(*args, out=y)
+        backward(dy, cache, gamma, out=dx)
+        results.append((y.view(np.uint32).copy(), dx.view(np.uint32).copy()))
+    for y_bits, dx_bits in results[1:]:
+        assert np.array_equal(y_bits, results[0][0])
+        assert np.array_equal(dx_bits, results[0][1])

@@ -161,6 +161,19 @@ FASTLN_INLINE void fastln_streaming_fence(void)
 #endif
 }
 
+/* Whether a pass may stream its output beside one of its inputs. Loads wait on pending stores
+ * whose addresses share their low 12 bits (4K aliasing), and non-temporal stores stay pending
+ * long: on an Intel Xeon (Ice Lake) a streamed output starting up to about 600 bytes after
+ * its input's place in a page took up to twice the time of other placements, while ordinary
+ * stores took the same time at every placement (docs/performance.md, "Streamed outputs just
+ * after their inputs"). Such outputs are written with ordinary stores. */
+#define FASTLN_STREAM_ALIAS_BYTES 640
+FASTLN_INLINE int fastln_streams_apart(const void *output, const void *input)
+{
+    const uintptr_t after = ((uintptr_t)output - (uintptr_t)input) & 4095;
+    return after == 0 || after > FASTLN_STREAM_ALIAS_BYTES;
+}
+
 /* One 64-byte line (line aligned) with non-temporal stores, from bytes in memory. */
 FASTLN_INLINE void fastln_stream_line(void *line, const void *bytes)
 {
