@@ -422,7 +422,7 @@ def test_streamed_outputs_just_after_their_inputs_hold_the_same_bits(rms):
     place in a page (ordinary stores there: fastln_streams_apart); either way the bits are the
     same, forward and backward, at every placement."""
     rng = np.random.default_rng(37)
-    shape = (2049, 4100)  # y 33.6 MB; rows 16 bytes past a line on NumPy's large arrays
+    shape = (2049, 4100)  # y 33.6 MB, streamed; rows of 16400 bytes start all over a line
     x = (rng.standard_normal(shape) + 100).astype(np.float32)
     dy = rng.standard_normal(shape).astype(np.float32)
     x[3, 5], dy[7, 1] = np.nan, np.inf
