@@ -2105,8 +2105,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_backward_apply_rows_float_to)(
     const int64_t ahead = fastln_rows_fetched_ahead(n * (int64_t)sizeof(FASTLN_T));
     const FASTLN_T *dy_end = (const FASTLN_T *)call->dy + call->n_outer * n;
     for (; r < n_rows; r++) {
-        const int64_t head = streaming ? fastln_elements_to_line(dx + r * n, sizeof(FASTLN_T), n)
-                                       : FASTLN_NAME(line_head)(dx + r * n, n, 0);
+        const int64_t head = FASTLN_NAME(row_head)(dx + r * n, n, streaming);
         const int64_t fetch_rows = streaming && dy + (r + ahead + 1) * n <= dy_end ? ahead : 0;
         FASTLN_NAME(bn_backward_apply_float_block)(dy + r * n, x + r * n, dx + r * n, 0, head, 1,
                                                    call, streaming, fetch_rows);

@@ -368,6 +368,15 @@ FASTLN_INLINE int64_t FASTLN_NAME(line_head)(const FASTLN_T *y, int64_t n, int t
 #endif
 }
 
+/* line_head for a row written alone, plainly or with non-temporal stores: a streamed row always
+ * takes its columns up to its first whole line first, so that no streamed vector straddles two
+ * lines (docs/performance.md, "Streamed rows from their first whole line"). */
+FASTLN_INLINE int64_t FASTLN_NAME(row_head)(const FASTLN_T *y, int64_t n, int streaming)
+{
+    return streaming ? fastln_elements_to_line(y, sizeof(FASTLN_T), n)
+                     : FASTLN_NAME(line_head)(y, n, 0);
+}
+
 /* s = x + residual (+ bias) over n_cols values of a row, in double and rounded once (to float32
  * and then to the half format for the half types, as NumPy's float16 addition rounds: exactly
  * NumPy's x + residual without bias). s may be x or residual itself: each element is read before
@@ -648,8 +657,7 @@ FASTLN_INLINE void FASTLN_NAME(bn_apply_rows_float_to)(const FASTLN_T *x, FASTLN
     }
     const int64_t ahead = fastln_rows_fetched_ahead(n * (int64_t)sizeof(FASTLN_T));
     for (; r < n_rows; r++) {
-        const int64_t head = streaming ? fastln_elements_to_line(y + r * n, sizeof(FASTLN_T), n)
-                                       : FASTLN_NAME(line_head)(y + r * n, n, 0);
+        const int64_t head = FASTLN_NAME(row_head)(y + r * n, n, streaming);
         const int64_t fetch_rows = streaming && x + (r + ahead + 1) * n <= x_end ? ahead : 0;
         FASTLN_NAME(bn_apply_float_block)(x + r * n, y + r * n, n, 0, head, 1, k, streaming,
                                           fetch_rows);

@@ -326,6 +326,14 @@ cdef inline const void *_data(object array):
     return NULL if array is None else cnp.PyArray_DATA(<cnp.ndarray>array)
 
 
+cdef inline bint _streams(bint streaming, const void *output, const void *input,
+                         const void *other_input=NULL) noexcept nogil:
+    """streaming, unless the output starts just after an input in its page, where ordinary
+    stores are faster (fastln_streams_apart); other_input may be NULL."""
+    return (streaming and fastln_streams_apart(output, input)
+            and (other_input == NULL or fastln_streams_apart(output, other_input)))
+
+
 cdef inline void _rows_call(fastln_rows_call *call, const void *x, Py_ssize_t n_rows,
                             Py_ssize_t n_cols, Py_ssize_t output_bytes, double eps) noexcept:
     """The fields every row call has; every other pointer NULL."""
@@ -360,7 +368,7 @@ cdef inline void _rows_call_of(fastln_rows_call *call, cnp.ndarray x, cnp.ndarra
 cdef void _forward_rows(int op, fastln_rows_call *call, int storage, int num_threads):
     """The row forward's tasks; the GIL is released for calls of MIN_ELEMENTS_FOR_NOGIL and
     more (releasing and taking it back costs as much as a smaller call's arithmetic)."""
-    call.streaming = call.streaming and fastln_streams_apart(call.y, call.x)
+    call.streaming = _streams(call.streaming, call.y, call.x)
     cdef int64_t n_elements = call.n_rows * call.n_cols
     if n_elements < MIN_ELEMENTS_FOR_NOGIL:
         _run(_task(storage, op), call, call.n_rows, n_elements, num_threads)
@@ -456,8 +464,7 @@ cdef int _backward_rows(int op, fastln_rows_call *call, int storage, int n_sums,
     """A row backward: its row blocks (each with its own double partial sums and, for
     LayerNorm of the float32-compute types, zeroed float accumulators that set the partials at
     their first fold; other partials start zeroed), then the column sums in block order."""
-    call.streaming = (call.streaming and fastln_streams_apart(call.dx, call.dy)
-                      and fastln_streams_apart(call.dx, call.x))
+    call.streaming = _streams(call.streaming, call.dx, call.dy, call.x)
     call.n_blocks = fastln_row_blocks(call.n_rows)
     call.rows_per_block = (call.n_rows + call.n_blocks - 1) // call.n_blocks
     cdef Py_ssize_t row_bytes = call.n_cols * _storage_bytes(storage)
@@ -622,7 +629,7 @@ def batch_norm_forward(cnp.ndarray x, cnp.ndarray y, Py_ssize_t n_outer, Py_ssiz
     cdef double *room = widened
     _bn_call(&call, x, n_outer, n_features, n_inner, _as_doubles(gamma, &room), eps, training)
     call.y = cnp.PyArray_DATA(y)
-    call.streaming = call.streaming and fastln_streams_apart(call.y, call.x)
+    call.streaming = _streams(call.streaming, call.y, call.x)
     call.beta = _as_doubles(beta, &room)
     call.running_mean = _as_doubles(running_mean, &room)
     call.running_var = _as_doubles(running_var, &room)
@@ -701,8 +708,7 @@ def batch_norm_backward(cnp.ndarray dy, cnp.ndarray x, cnp.ndarray dx, cnp.ndarr
     _bn_call(&call, x, n_outer, n_features, n_inner, _as_doubles(gamma, &room), eps, training)
     call.dy = cnp.PyArray_DATA(dy)
     call.dx = cnp.PyArray_DATA(dx)
-    call.streaming = (call.streaming and fastln_streams_apart(call.dx, call.dy)
-                      and fastln_streams_apart(call.dx, call.x))
+    call.streaming = _streams(call.streaming, call.dx, call.dy, call.x)
     call.mean = <double*>cnp.PyArray_DATA(mean)
     call.rstd = <double*>cnp.PyArray_DATA(rstd)
     call.var = NULL
@@ -831,7 +837,7 @@ def group_norm_forward(cnp.ndarray x, object gamma, object beta, cnp.ndarray y, 
              False)
     call.beta = _data(beta)
     call.y = cnp.PyArray_DATA(y)
-    call.streaming = call.streaming and fastln_streams_apart(call.y, call.x)
+    call.streaming = _streams(call.streaming, call.y, call.x)
     call.mean = <void*>_data(mean)
     call.rstd = <void*>_data(rstd)
     cdef int64_t n_elements = n_samples * n_channels * n_spatial
@@ -874,8 +880,7 @@ def group_norm_backward(cnp.ndarray dy, cnp.ndarray x, object gamma, cnp.ndarray
              True)
     call.dy = cnp.PyArray_DATA(dy)
     call.dx = cnp.PyArray_DATA(dx)
-    call.streaming = (call.streaming and fastln_streams_apart(call.dx, call.dy)
-                      and fastln_streams_apart(call.dx, call.x))
+    call.streaming = _streams(call.streaming, call.dx, call.dy, call.x)
     call.mean = cnp.PyArray_DATA(mean)
     call.rstd = cnp.PyArray_DATA(rstd)
     call.dgamma = cnp.PyArray_DATA(dgamma)
